@@ -1,0 +1,148 @@
+"""`verispec` command line: generate, models list/pull, bench.
+
+Bad input ends in one line on stderr ("verispec: error: ...") and exit status 2; no tracebacks
+(set VERISPEC_DEBUG=1 to see one for an unexpected internal error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from .errors import VerispecError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of usage + message
+        raise VerispecError(f"{self.prog.split()[-1] if ' ' in self.prog else 'verispec'}: {message}")
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from .models.registry import DEFAULT_TARGET
+
+    p.add_argument("--target", default=DEFAULT_TARGET, help="model name, HF directory or .gguf file "
+                                                             f"(default: {DEFAULT_TARGET})")
+    p.add_argument("--draft", default=None, help="draft model for speculative methods (name, directory, .gguf)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="verispec", description="Lossless speculative decoding for LLMs.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate a completion")
+    g.add_argument("prompt", help="prompt text ('-' reads stdin)")
+    _add_model_args(g)
+    g.add_argument("--method", default="ar", help="decoding method (default: ar)")
+    _add_sampling_args(g)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
+    g.add_argument("--system", default=None, help="system message for --chat")
+    g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as the last line')
+    g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
+
+    m = sub.add_parser("models", help="list or pull the default models")
+    msub = m.add_subparsers(dest="models_command", parser_class=_Parser)
+    msub.add_parser("list", help="names, sizes, cached or not")
+    pull = msub.add_parser("pull", help="assemble, verify and convert a default model")
+    pull.add_argument("name")
+
+    from .bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def cmd_generate(args) -> int:
+    from . import LLM, SamplingParams
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not prompt.strip():
+        raise VerispecError("empty prompt")
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop)
+    llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads)
+    kw = dict(method=args.method, chat=args.chat, system=args.system)
+    if args.json or args.no_stream or not llm.codec.has_tokenizer:
+        out = llm.generate(prompt, params, **kw)
+        if not args.json:
+            print(out.text)
+    else:
+        for piece in llm.stream(prompt, params, **kw):
+            print(piece, end="", flush=True)
+        print()
+        out = llm.last_output
+    if args.json:
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
+    else:
+        s = out.stats
+        print(f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.2f} tok/s, prefill {s['prefill_s']:.2f}s, "
+              f"{s['decode_ms_per_token']:.1f} ms/token, stop: {out.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def cmd_models(args) -> int:
+    from .models import registry
+
+    if args.models_command == "pull":
+        path = registry.pull(args.name)
+        print(f"{args.name}: {path}")
+        return 0
+    if args.models_command not in (None, "list"):
+        raise VerispecError(f"unknown models command {args.models_command!r}")
+    print(f"{'name':32} {'gguf':>9} {'converted':>10}  {'cached':6}  source")
+    for e in registry.REGISTRY.values():
+        cached = registry.is_cached(e.name)
+        conv = registry.dir_size(registry.model_dir(e.name)) if cached else 0
+        print(f"{e.name:32} {e.gguf_bytes / 2**30:8.2f}G {(f'{conv / 2**30:.2f}G' if cached else '-'):>10}  "
+              f"{'yes' if cached else 'no':6}  {e.upstream}")
+    print(f"cache: {registry.cache_dir()}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_USAGE
+        handler = {"generate": cmd_generate, "models": cmd_models, "bench": _bench}[args.command]
+        return handler(args)
+    except VerispecError as e:
+        print(f"verispec: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("verispec: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a bug, not bad input: still one line unless debugging
+        if os.environ.get("VERISPEC_DEBUG"):
+            raise
+        msg = str(e).strip().splitlines()
+        print(f"verispec: internal error: {type(e).__name__}: {msg[0] if msg else ''} "
+              f"(set VERISPEC_DEBUG=1 for a traceback)", file=sys.stderr)
+        return 1
+
+
+def _bench(args) -> int:
+    from .bench.cli import run_bench
+
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Small frozen dataclasses, validated on construction.
+
+Every CLI flag maps onto one field here; an out-of-range value raises :class:`ConfigError`
+with a one-line message naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+
+DTYPES = ("bfloat16", "float16", "float32")
+DEVICES = ("cpu", "cuda")
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into tokens, and when to stop.
+
+    temperature == 0 is greedy decoding (argmax); top_k == 0 and top_p == 1.0 disable those filters.
+    ``stop`` strings end generation; the returned text excludes the stop string.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        else:
+            object.__setattr__(self, "stop", tuple(self.stop or ()))
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+               f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        _check(_is_real(self.temperature) and math.isfinite(self.temperature)
+               and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        _check(_is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1,
+               f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Where and how the models run."""
+
+    dtype: str = "bfloat16"
+    device: str | None = None  # None: cuda when available, else cpu
+    threads: int | None = None  # None: torch's default
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        _check(self.device is None or self.device.split(":")[0] in DEVICES,
+               f"device must be cpu or cuda, got {self.device!r}")
+        _check(self.threads is None or (_is_int(self.threads) and self.threads >= 1),
+               f"threads must be an integer >= 1, got {self.threads!r}")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device is None:
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but no CUDA GPU is available")
+        return self.device
+
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)

@@ -1,0 +1,197 @@
+"""Load a model from a name, an HF directory (config.json + *.safetensors) or a GGUF file.
+
+HF tensor names map onto ours in one table (HF_FUSED plus a prefix strip); GGUF names map onto HF
+names in gguf.py. Every failure a user can cause ends in a one-line VerispecError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import VerispecError
+from .config import ModelConfig
+from .llama import Transformer, rope_inv_freq
+
+# Our fused parameters <- the HF parameters concatenated along the output dimension, in order.
+HF_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+_PART_OF = {part: (fused, i) for fused, parts in HF_FUSED.items() for i, part in enumerate(parts)}
+_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    tokenizer: object | None  # transformers tokenizer, or None (token ids only)
+    source: str  # what was loaded, for messages and benchmark reports
+
+
+def load(source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+         progress: bool = True) -> LoadedModel:
+    """Load a named default model, an HF directory or a .gguf file."""
+    from . import registry
+
+    if source in registry.REGISTRY:
+        return load_hf_dir(registry.pull(source, progress=progress), dtype, device, name=source)
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return load_hf_dir(path, dtype, device)
+    if path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return load_gguf(path, dtype, device, progress=progress)
+        raise VerispecError(f"unsupported model file {source!r}: expected a directory with config.json "
+                            f"and *.safetensors, or a .gguf file")
+    if os.sep in source or source.endswith(".gguf") or source.startswith("."):
+        raise VerispecError(f"model path not found: {source}")
+    raise VerispecError(f"unknown model {source!r}: not a known name ({', '.join(registry.REGISTRY)}), "
+                        f"directory or .gguf file")
+
+
+def load_hf_dir(path: Path, dtype: torch.dtype, device: str, name: str | None = None) -> LoadedModel:
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise VerispecError(f"{path} has no config.json: not an HF model directory")
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except (OSError, ValueError) as e:
+        raise VerispecError(f"cannot parse {cfg_path}: {e}") from None
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        except (OSError, ValueError) as e:
+            raise VerispecError(f"cannot parse {gen_path}: {e}") from None
+        raw = {**raw, "eos_token_id": _merge_ids(raw.get("eos_token_id"), gen_eos)}
+    cfg = ModelConfig.from_hf(raw)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        hint = " (only .bin weights found: convert them to safetensors)" if list(path.glob("*.bin")) else ""
+        raise VerispecError(f"no *.safetensors weights in {path}{hint}")
+    model = build_model(cfg, _read_safetensors(files, dtype), dtype, device)
+    tokenizer = load_tokenizer(path) if any((path / f).is_file() for f in TOKENIZER_FILES) else None
+    return LoadedModel(model, cfg, tokenizer, name or str(path))
+
+
+def load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool = False) -> LoadedModel:
+    from .gguf import GGUFFile
+
+    from .registry import progress_bar
+
+    gf = GGUFFile(str(path))
+    cfg = ModelConfig.from_hf(gf.hf_config())
+    total = sum(int(t.n_bytes) for t in gf.tensors.values())
+    with progress_bar(total, f"dequantize {path.name}", progress) as bar:
+        model = build_model(cfg, gf.hf_tensors(dtype, progress=bar), dtype, device)
+    has_vocab = "tokenizer.ggml.tokens" in gf.reader.fields
+    tokenizer = load_tokenizer(path.parent, gguf_file=path.name) if has_vocab else None
+    return LoadedModel(model, cfg, tokenizer, str(path))
+
+
+def load_tokenizer(path: Path, gguf_file: str | None = None):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    except Exception as e:
+        raise VerispecError(f"cannot load the tokenizer from {path / (gguf_file or '')}: "
+                            f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}"
+                            ) from None
+
+
+def _read_safetensors(files: list[Path], dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for key in sf.keys():
+                    yield key, sf.get_tensor(key).to(dtype)
+        except VerispecError:
+            raise
+        except Exception as e:
+            msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+            raise VerispecError(f"corrupt or truncated safetensors file {f}: {msg}") from None
+
+
+def _merge_ids(a, b) -> list[int]:
+    as_list = lambda x: [] if x is None else (list(x) if isinstance(x, (list, tuple)) else [x])  # noqa: E731
+    return list(dict.fromkeys(as_list(a) + as_list(b)))
+
+
+def _fused_rows(cfg: ModelConfig, fused: str) -> tuple[int, ...]:
+    """Output rows of each HF part of a fused parameter, in HF_FUSED order."""
+    if fused == "self_attn.qkv_proj":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        return (q, kv, kv)
+    return (cfg.intermediate_size, cfg.intermediate_size)
+
+
+def build_model(cfg: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
+                device: str) -> Transformer:
+    """Instantiate the runtime without initializing weights, then assign HF-named tensors (fusing)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = dict(model.state_dict())
+    sd: dict[str, torch.Tensor] = {}
+    pending: dict[str, list] = {}
+    for name, t in hf_tensors:
+        ours = name.removeprefix("model.")
+        m = _LAYER.match(ours)
+        if m and m.group(2) in _PART_OF:
+            fused, idx = _PART_OF[m.group(2)]
+            key = f"layers.{m.group(1)}.{fused}.{m.group(3)}"
+            if key not in expected:  # e.g. a q_proj.bias for a config without attention bias
+                raise VerispecError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
+            want = (_fused_rows(cfg, fused)[idx], *expected[key].shape[1:])
+            if tuple(t.shape) != want:  # check each part: torch.cat would fail with a raw RuntimeError
+                raise VerispecError(f"tensor {name!r} has shape {tuple(t.shape)}, config implies {want}")
+            parts = pending.setdefault(key, [None] * len(HF_FUSED[fused]))
+            parts[idx] = t
+            if all(p is not None for p in parts):
+                sd[key] = torch.cat(pending.pop(key), dim=0)
+            continue
+        if ours not in expected:
+            if ours == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue
+            if ours.endswith("rotary_emb.inv_freq"):
+                continue
+            raise VerispecError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
+        sd[ours] = t
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+        expected.pop("lm_head.weight", None)
+    missing = []  # in HF names: the absent parts of a fused tensor, not our fused name
+    for k in expected:
+        if k in sd:
+            continue
+        m = _LAYER.match(k)
+        if m and m.group(2) in HF_FUSED:
+            got = pending.get(k, [None] * len(HF_FUSED[m.group(2)]))
+            missing += [f"layers.{m.group(1)}.{part}.{m.group(3)}" for part, t in zip(HF_FUSED[m.group(2)], got)
+                        if t is None]
+        else:
+            missing.append(k)
+    if missing:
+        raise VerispecError(f"model weights incomplete: missing {missing[0]!r} and {len(missing) - 1} more")
+    for k, t in sd.items():
+        if tuple(t.shape) != tuple(expected[k].shape):
+            raise VerispecError(f"tensor {k!r} has shape {tuple(t.shape)}, config implies {tuple(expected[k].shape)}")
+    model.load_state_dict(sd, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    model = model.to(device=device, dtype=dtype).eval()
+    model.inv_freq = rope_inv_freq(cfg).to(device)  # built on meta above
+    model.pack_weights()
+    return model

@@ -1,0 +1,62 @@
+"""Logits -> probabilities (temperature, top-k, top-p), and drawing from them.
+
+The ONLY place this transform exists: autoregressive decoding and the speculative verifier both
+call :func:`logits_to_probs`, so "the target's distribution" means the same thing everywhere.
+Order of filters as in transformers: temperature, then top-k, then top-p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import SamplingParams
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [..., V] -> probabilities [..., V] (float32).
+
+    temperature 0 gives the one-hot of the argmax (first index on ties), so greedy decoding is a
+    special case of sampling and a verifier needs no separate greedy path.
+    """
+    logits = logits.float()
+    if params.temperature == 0:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        # stable: tied tokens keep vocabulary order, so ties go to the lower id (as argmax) on every
+        # device and batch shape -- the AR sampler and a verifier must keep the very same set
+        sorted_p, idx = probs.sort(dim=-1, descending=True, stable=True)  # [..., V] each
+        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop_sorted[..., 0] = False
+        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw one token per row. probs: [B, V] -> tokens [B] (int64)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """One decoding step's choice. logits: [B, V] -> tokens [B]."""
+    if params.greedy:
+        return logits.argmax(-1)
+    return sample(logits_to_probs(logits, params), generator)
+
+
+def make_generator(params: SamplingParams, device) -> torch.Generator | None:
+    if params.greedy:
+        return None
+    g = torch.Generator(device=device)
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g

@@ -1,0 +1,25 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+DEFAULT_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def threads(request):
+    """Tiny models: one intra-op thread is faster and, on a shared 2-core box, far steadier.
+    Real-weight (slow) tests get torch's default."""
+    torch.set_num_threads(DEFAULT_THREADS if request.node.get_closest_marker("slow") else 1)
+    yield
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One tiny HF directory per architecture, built once per session: {arch: path}."""
+    from tiny import ARCH_EXTRA, make_hf_dir
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_hf_dir(root / arch, arch) for arch in ARCH_EXTRA}
