@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(g)
     g.add_argument("--method", default="ar", help="decoding method (default: ar)")
     _add_sampling_args(g)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; \\n, \\t are escapes)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--system", default=None, help="system message for --chat")
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as the last line')
@@ -67,6 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def unescape(text: str) -> str:
+    """Shell-typed stop strings: "\\n", "\\t", "\\r" and "\\\\" mean newline, tab, CR, backslash."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in "ntr\\":
+            out.append({"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
 def cmd_generate(args) -> int:
     from . import LLM, SamplingParams
 
@@ -74,7 +87,7 @@ def cmd_generate(args) -> int:
     if not prompt.strip():
         raise VerispecError("empty prompt")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=args.stop)
+                            top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop])
     llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads)
     kw = dict(method=args.method, chat=args.chat, system=args.system)
     if args.json or args.no_stream or not llm.codec.has_tokenizer:

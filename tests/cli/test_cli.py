@@ -321,3 +321,20 @@ def test_script_bad_input(bad_models, tiny, case):
             "non-numeric temperature": gen(tiny, "--temperature", "warm")}[case]
     p = run_script(*argv)
     assert_one_error_line(p.returncode, p.stdout, p.stderr)
+
+
+def test_stop_flag_understands_escapes(capsys, tiny, monkeypatch):
+    """`--stop "\\n"` typed in a shell arrives as backslash-n; the CLI passes a newline."""
+    from verispec.cli import unescape
+
+    assert unescape(r"a\nb\tc\\n\q") == "a\nb\tc\\n\\q"
+    seen = []
+    real = LLM.generate
+
+    def spy(self, prompt, params=None, **kw):
+        seen.append(params.stop)
+        return real(self, prompt, params, **kw)
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    rc, _, _ = run_main(capsys, gen(tiny, "--json", "--stop", r"\n", "--stop", "end"))
+    assert rc == 0 and seen == [("\n", "end")]

@@ -31,7 +31,7 @@ class HFPeer:
         self.device = device
         # No EOS: generate exactly max_new_tokens without masking any logit (min_new_tokens would).
         self.gen_config = copy.deepcopy(self.model.generation_config)
-        self.gen_config.eos_token_id = None
+        self.gen_config.eos_token_id = []  # None falls back to the model config's EOS
         self.gen_config.pad_token_id = 0
         self.gen_config.do_sample = False
 
