@@ -13,6 +13,7 @@ import torch
 
 EOS_ID = 256  # the byte tokenizer's "<|end|>"
 VOCAB = 264  # 256 bytes + 2 specials + padding rows, like real checkpoints
+PAD_IDS = list(range(259, VOCAB))  # rows past the tokenizer: verispec never samples them (suppress in HF too)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
@@ -44,7 +45,8 @@ def hf_config(arch: str, **overrides):
 
 
 def byte_tokenizer():
-    """A byte-level BPE tokenizer with no merges: ids 0..255 are bytes, 256 = <|end|>, 257 = <|start|>."""
+    """A byte-level BPE tokenizer with no merges: ids 0..255 are bytes, 256 = <|end|>, 257 = <|start|>,
+    258 = <|endoftext|> (which transformers' Qwen2Tokenizer would otherwise add on load): 259 tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -53,7 +55,7 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|end|>", "<|start|>"])
+    tok.add_special_tokens(["<|end|>", "<|start|>", "<|endoftext|>"])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|end|>")
     fast.chat_template = CHAT_TEMPLATE
     return fast

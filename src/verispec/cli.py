@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion")
     g.add_argument("prompt", help="prompt text ('-' reads stdin)")
     _add_model_args(g)
-    g.add_argument("--method", default="ar", help="decoding method (default: ar)")
+    g.add_argument("--method", default="ar", help="decoding method: ar (default) or draft (a draft model proposes)")
+    g.add_argument("--num-draft-tokens", type=int, default=4, help="K: tokens drafted per round (default: 4)")
     _add_sampling_args(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; \\n, \\t are escapes)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
@@ -89,7 +90,7 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop])
     llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads)
-    kw = dict(method=args.method, chat=args.chat, system=args.system)
+    kw = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, chat=args.chat, system=args.system)
     if args.json or args.no_stream or not llm.codec.has_tokenizer:
         out = llm.generate(prompt, params, **kw)
         if not args.json:
@@ -103,8 +104,10 @@ def cmd_generate(args) -> int:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
     else:
         s = out.stats
-        print(f"[{s['new_tokens']} tokens, {s['tokens_per_s']:.2f} tok/s, prefill {s['prefill_s']:.2f}s, "
-              f"{s['decode_ms_per_token']:.1f} ms/token, stop: {out.finish_reason}]", file=sys.stderr)
+        spec = (f", tau {s['mean_accepted_length']:.2f}, alpha {s['acceptance_rate']:.2f}"
+                if "acceptance_rate" in s else "")
+        print(f"[{args.method}: {s['new_tokens']} tokens, {s['tokens_per_s']:.2f} tok/s, prefill {s['prefill_s']:.2f}s, "
+              f"{s['decode_ms_per_token']:.1f} ms/token{spec}, stop: {out.finish_reason}]", file=sys.stderr)
     return 0
 
 

@@ -65,6 +65,19 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Which decoding method, and how many tokens a drafter proposes per round (K)."""
+
+    method: str = "ar"
+    num_draft_tokens: int = 4
+
+    def __post_init__(self):
+        _check(isinstance(self.method, str) and bool(self.method), f"method must be a name, got {self.method!r}")
+        _check(_is_int(self.num_draft_tokens) and self.num_draft_tokens >= 1,
+               f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Where and how the models run."""
 

@@ -1,8 +1,8 @@
-"""Decoding loops. Each method is a generator of committed-token chunks; the caller stops pulling
-when a stop condition is met, so no forward pass is spent past the end.
+"""Decoding loops. Each is a generator of committed-token chunks; the caller stops pulling when a
+stop condition is met, so no forward pass is spent past the end.
 
-``autoregressive`` is the baseline every speculative method is measured against, and the
-reference they must reproduce exactly.
+``autoregressive`` is the baseline every speculative method is measured against and the reference
+it must reproduce exactly. ``speculative`` runs any drafter (drafters/) through the same loop.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import SamplingParams
+from .drafters.base import Drafter, DraftRequest
 from .models.kv_cache import KVCache
 from .models.llama import Transformer
-from .sampling import next_token
+from .sampling import mask_logits, next_token
+from .verify import verify
 
 
 @dataclass
@@ -29,6 +31,9 @@ class DecodeContext:
     params: SamplingParams
     generator: torch.Generator | None
     stats: "Stats"
+    logit_mask: torch.Tensor | None = None  # [V] bool: padding rows that may never be sampled
+    drafter: Drafter | None = None
+    num_draft_tokens: int = 0  # K
 
 
 @dataclass
@@ -38,13 +43,23 @@ class Stats:
     target_forwards: int = 0
     prefill_s: float = 0.0
     target_s: float = 0.0  # all target forwards, prefill included
+    draft_s: float = 0.0  # time inside drafter.propose
     wall_s: float = 0.0
-    extra: dict = field(default_factory=dict)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    reached: list[int] = field(default_factory=list)  # [K] (sized by the loop): rounds that judged position i
+    accepted_at: list[int] = field(default_factory=list)  # [K]: rounds in which position i was accepted
+
+    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+        for i in range(min(num_accepted + 1, num_drafted)):  # position i is judged iff all before it passed
+            self.reached[i] += 1
+            self.accepted_at[i] += i < num_accepted
 
     def as_dict(self) -> dict:
         decode_tokens = max(self.new_tokens - 1, 0)  # the first token comes out of the prefill
-        decode_s = self.wall_s - self.prefill_s
-        return {
+        out = {
             "prompt_tokens": self.prompt_tokens,
             "new_tokens": self.new_tokens,
             "target_forwards": self.target_forwards,
@@ -53,38 +68,87 @@ class Stats:
             "target_s": round(self.target_s, 6),
             "wall_s": round(self.wall_s, 6),
             "tokens_per_s": self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0,
-            "decode_ms_per_token": 1e3 * decode_s / decode_tokens if decode_tokens else 0.0,
-            **self.extra,
+            "decode_ms_per_token": 1e3 * (self.wall_s - self.prefill_s) / decode_tokens if decode_tokens else 0.0,
         }
+        if self.reached:
+            out.update(
+                draft_s=round(self.draft_s, 6),
+                drafted_tokens=self.drafted_tokens,
+                accepted_tokens=self.accepted_tokens,
+                acceptance_rate=self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0,
+                # P(position i accepted | positions before it accepted); None where never reached
+                per_position_acceptance=[a / r if r else None for a, r in zip(self.accepted_at, self.reached)],
+                per_position_reached=list(self.reached),
+            )
+        return out
 
 
-def timed_forward(ctx: DecodeContext, tokens: torch.Tensor, **kw):
-    """One target forward over tokens [1, T] at the next positions, counted and timed."""
+def timed_forward(ctx: DecodeContext, tokens: torch.Tensor, **kw) -> torch.Tensor:
+    """One target forward over tokens [1, T] at the next positions, counted and timed -> masked logits."""
     start = ctx.cache.length
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]  # [1, T]
     t0 = time.perf_counter()
-    logits, hidden = ctx.target(tokens, positions, ctx.cache, **kw)
+    logits, _ = ctx.target(tokens, positions, ctx.cache, **kw)
     if logits.is_cuda:
         torch.cuda.synchronize()
     ctx.stats.target_s += time.perf_counter() - t0
     ctx.stats.target_forwards += 1
-    return logits, hidden
+    return mask_logits(logits, ctx.logit_mask)
+
+
+def prefill(ctx: DecodeContext) -> torch.Tensor:
+    """The whole prompt in one forward (logits for its last position only) -> the first token [1]."""
+    t0 = time.perf_counter()
+    logits = timed_forward(ctx, ctx.prompt, num_logits=1)  # [1, 1, V]
+    token = next_token(logits[:, -1], ctx.params, ctx.generator)  # [1]
+    token.item()  # sync: prefill time includes the first token
+    ctx.stats.prefill_s = time.perf_counter() - t0
+    return token
 
 
 def autoregressive(ctx: DecodeContext) -> Iterator[list[int]]:
     """Plain decoding: one target forward per token."""
-    # 1. prefill: the whole prompt in one forward; logits for its last position only
-    t0 = time.perf_counter()
-    logits, _ = timed_forward(ctx, ctx.prompt, num_logits=1)  # [1, 1, V]
-    token = next_token(logits[:, -1], ctx.params, ctx.generator)  # [1]
-    first = token.item()
-    ctx.stats.prefill_s = time.perf_counter() - t0
-    yield [first]
-    # 2. decode: feed the last token, sample the next
+    token = prefill(ctx)  # [1]
     while True:
-        logits, _ = timed_forward(ctx, token[:, None])  # [1, 1, V]
-        token = next_token(logits[:, -1], ctx.params, ctx.generator)  # [1]
         yield [token.item()]
+        logits = timed_forward(ctx, token[:, None])  # [1, 1, V]
+        token = next_token(logits[:, -1], ctx.params, ctx.generator)  # [1]
 
 
-METHODS = {"ar": autoregressive}
+def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
+    """Draft K tokens, verify them in one target forward, commit the accepted run plus one token."""
+    # Report K positions (None where never reached) even if the budget or a stop ends the run first.
+    ctx.stats.reached = [0] * ctx.num_draft_tokens
+    ctx.stats.accepted_at = [0] * ctx.num_draft_tokens
+    last = prefill(ctx)  # [1]: committed, its keys/values not yet in the target cache
+    context = ctx.prompt[0].tolist() + [last.item()]
+    yield context[-1:]
+    capacity = ctx.cache.capacity
+    while True:
+        K = min(ctx.num_draft_tokens, ctx.params.max_new_tokens - (len(context) - ctx.prompt.shape[1]) - 1)
+        if K < 1:  # one token left to produce: a plain target step
+            logits = timed_forward(ctx, last[:, None])  # [1, 1, V]
+            last = next_token(logits[:, -1], ctx.params, ctx.generator)
+            context.append(last.item())
+            yield context[-1:]
+            continue
+        # 1. propose: K draft tokens and their distributions q
+        t0 = time.perf_counter()
+        draft = ctx.drafter.propose(DraftRequest(context, K, ctx.params, ctx.generator, capacity,
+                                                 ctx.target.config.vocab_size, ctx.logit_mask))
+        ctx.stats.draft_s += time.perf_counter() - t0
+        # 2. verify: one target forward over the last committed token and the K drafts -> p_1..p_{K+1}
+        start = ctx.cache.length
+        logits = timed_forward(ctx, torch.cat([last[:, None], draft.tokens], dim=1))  # [1, K+1, V]
+        # 3. accept: rejection sampling keeps a prefix of n drafts, then one recovered or bonus token
+        verdict = verify(logits, draft.tokens, draft.draft_probs, ctx.params, ctx.generator)
+        n = int(verdict.num_accepted[0])
+        new = verdict.tokens[0, : n + 1].tolist()
+        # 4. commit / rollback: the target cache keeps the last committed token and the n accepted drafts
+        ctx.cache.truncate(start + 1 + n)
+        # 5. update: the drafter rolls back its own state
+        ctx.drafter.update(n)
+        ctx.stats.record_round(K, n)
+        last = verdict.tokens[:, n]  # [1]
+        context += new
+        yield new

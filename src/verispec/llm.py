@@ -8,15 +8,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import EngineConfig, SamplingParams
-from .decoding import METHODS, DecodeContext, Stats
+from . import drafters
+from .config import EngineConfig, SamplingParams, SpecConfig
+from .decoding import DecodeContext, Stats, autoregressive, speculative
 from .errors import ConfigError, VerispecError
 from .models.kv_cache import KVCache
 from .models.loader import LoadedModel, load
-from .models.registry import DEFAULT_TARGET
+from .models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from .sampling import make_generator
 from .stopping import StopChecker
 from .tokenizer import Codec
+
+AR = "ar"
 
 
 @dataclass
@@ -29,10 +32,11 @@ class GenerationOutput:
 
 
 class LLM:
-    """A target model (and, for speculative methods, a drafter) ready to generate.
+    """A target model (and, for speculative methods, a draft model) ready to generate.
 
     ``target``/``draft``: a default model name (see ``verispec models list``), an HF directory
-    (config.json + *.safetensors), or a .gguf file.
+    (config.json + *.safetensors), or a .gguf file. With the default target, method "draft" loads the
+    default draft model on first use if ``draft`` was not given.
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = None, dtype: str = "bfloat16",
@@ -42,9 +46,24 @@ class LLM:
             torch.set_num_threads(threads)
         self.device = self.engine_config.resolved_device()
         self.dtype = self.engine_config.torch_dtype()
+        self.progress = progress
         self.target: LoadedModel = load(target, self.dtype, self.device, progress=progress)
-        self.draft: LoadedModel | None = load(draft, self.dtype, self.device, progress=progress) if draft else None
         self.codec = Codec(self.target.tokenizer, self.target.config.vocab_size)
+        self.logit_mask = padding_mask(self.target, self.device)  # [V] bool or None
+        self._draft_source = draft or DEFAULT_DRAFT.get(target)
+        self.draft: LoadedModel | None = None
+        if draft:
+            self.draft_model()
+
+    def draft_model(self) -> LoadedModel:
+        """The draft model, loaded (and checked against the target's vocabulary) on first use."""
+        if self.draft is None:
+            if self._draft_source is None:
+                raise VerispecError("this method needs a draft model: pass LLM(draft=...) or --draft")
+            draft = load(self._draft_source, self.dtype, self.device, progress=self.progress)
+            check_same_vocabulary(self.target, draft)
+            self.draft = draft
+        return self.draft
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -54,22 +73,22 @@ class LLM:
             ids.append(tok.eos_token_id)
         return tuple(dict.fromkeys(ids))
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, method: str = "ar",
-                 chat: bool = False, system: str | None = None) -> GenerationOutput:
-        run = self._run(prompt, params or SamplingParams(), method, chat, system)
-        for _ in run:
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, method: str = AR,
+                 num_draft_tokens: int = 4, chat: bool = False, system: str | None = None) -> GenerationOutput:
+        """Generate from ``prompt`` (text, or token ids) with ``method`` ("ar", "draft", ...)."""
+        for _ in self._run(prompt, params, SpecConfig(method, num_draft_tokens), chat, system):
             pass
         return self._last
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, method: str = "ar",
-               chat: bool = False, system: str | None = None) -> Iterator[str]:
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, method: str = AR,
+               num_draft_tokens: int = 4, chat: bool = False, system: str | None = None) -> Iterator[str]:
         """Yield text pieces as tokens are committed (each accepted run at once, for speculative methods).
 
         The pieces concatenate to ``generate(...).text``; afterwards ``last_output`` holds the full output.
         """
         if not self.codec.has_tokenizer:
             raise VerispecError("streaming text needs a tokenizer; this model takes token ids only")
-        for stopper in self._run(prompt, params or SamplingParams(), method, chat, system):
+        for stopper in self._run(prompt, params, SpecConfig(method, num_draft_tokens), chat, system):
             piece = stopper.stream_piece()
             if piece:
                 yield piece
@@ -78,11 +97,13 @@ class LLM:
     def last_output(self) -> GenerationOutput | None:
         return getattr(self, "_last", None)
 
-    def _run(self, prompt, params: SamplingParams, method: str, chat: bool, system: str | None):
+    def _run(self, prompt, params: SamplingParams | None, spec: SpecConfig, chat: bool, system: str | None):
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ConfigError("params must be a verispec.SamplingParams")
-        if method not in METHODS:
-            raise ConfigError(f"unknown method {method!r} (available: {', '.join(METHODS)})")
+        if spec.method != AR and spec.method not in drafters.METHODS:
+            raise ConfigError(f"unknown method {spec.method!r} (available: {', '.join([AR, *drafters.METHODS])})")
+        drafter = drafters.METHODS[spec.method](self) if spec.method != AR else None
         prompt_ids = self.codec.encode(prompt, chat=chat, system=system)
         context = self.target.config.max_position_embeddings
         P = len(prompt_ids)
@@ -92,12 +113,15 @@ class LLM:
             raise VerispecError(f"prompt ({P} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                                 f"model's context of {context} tokens: lower max_new_tokens")
         stats = Stats(prompt_tokens=P)
-        cache = KVCache.for_model(self.target.config, 1, P + params.max_new_tokens, self.dtype, self.device)
+        # Room for the prompt, every new token and one round of drafts past the last committed token.
+        capacity = P + params.max_new_tokens + (spec.num_draft_tokens + 1 if drafter else 0)
+        cache = KVCache.for_model(self.target.config, 1, capacity, self.dtype, self.device)
         ctx = DecodeContext(self.target.model, cache, torch.tensor([prompt_ids], device=self.device), params,
-                            make_generator(params, self.device), stats)
+                            make_generator(params, self.device), stats, self.logit_mask, drafter,
+                            spec.num_draft_tokens)
         stopper = StopChecker(params, self.eos_token_ids, self.codec)
         t0 = time.perf_counter()
-        steps = METHODS[method](ctx)
+        steps = speculative(ctx) if drafter else autoregressive(ctx)
         try:
             for chunk in steps:
                 stopper.append(chunk)
@@ -112,3 +136,29 @@ class LLM:
         self._last = GenerationOutput(stopper.finalize(), stopper.token_ids, stats.as_dict(),
                                       stopper.finish_reason, prompt_ids)
         yield stopper
+
+
+def padding_mask(loaded: LoadedModel, device) -> torch.Tensor | None:
+    """[V] bool, True for embedding rows that are padding, not tokens (never sampled, never drafted)."""
+    V = loaded.config.vocab_size
+    ids = set(loaded.config.masked_token_ids)
+    if loaded.tokenizer is not None and len(loaded.tokenizer) < V:
+        ids.update(range(len(loaded.tokenizer), V))
+    if not ids:
+        return None
+    mask = torch.zeros(V, dtype=torch.bool)
+    mask[sorted(ids)] = True
+    return mask.to(device)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """Speculative decoding compares token ids: draft and target must share the tokenizer."""
+    t, d = target.tokenizer, draft.tokenizer
+    if t is not None and d is not None:
+        if t.get_vocab() == d.get_vocab():
+            return
+        raise VerispecError(f"draft {draft.source} ({len(d)} tokens) and target {target.source} ({len(t)} tokens) "
+                            f"have different vocabularies: speculative decoding needs the same tokenizer")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise VerispecError(f"draft {draft.source} ({draft.config.vocab_size} rows) and target {target.source} "
+                            f"({target.config.vocab_size} rows) have different vocabularies")

@@ -39,6 +39,11 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def mask_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Padding rows of the embedding (mask [V], True = not a real token) can never be chosen."""
+    return logits if mask is None else logits.masked_fill(mask, float("-inf"))
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row. probs: [B, V] -> tokens [B] (int64)."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from tiny import make_hf_dir
+from tiny import PAD_IDS, make_hf_dir
 from verispec import LLM, SamplingParams
 from verispec.cli import main
 from verispec.models.registry import REGISTRY
@@ -128,7 +128,8 @@ def hf_greedy(path, ids, n):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     x = torch.tensor([ids])
     with torch.no_grad():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0)
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, pad_token_id=0,
+                             suppress_tokens=PAD_IDS)
     return out[0, len(ids):].tolist()
 
 
@@ -157,7 +158,7 @@ def test_generate_stream_and_no_stream(capsys, tiny):
         assert rc == 0, err
         assert out == want.text + "\n"
         lines = err.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"[{len(want.token_ids)} tokens")
+        assert len(lines) == 1 and lines[0].startswith(f"[ar: {len(want.token_ids)} tokens")
         assert f"stop: {want.finish_reason}" in lines[0]
 
 

@@ -16,9 +16,9 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
 import verispec.sampling
+from exact_helpers import chi2_pvalue, naive_probs
 from tiny import make_hf_dir
 from verispec import LLM, SamplingParams
 
@@ -79,27 +79,6 @@ def draw(llm, params: SamplingParams, n: int = N) -> np.ndarray:
     return counts
 
 
-def chi2_pvalue(counts: np.ndarray, joint: np.ndarray) -> float:
-    """Pearson chi-square over the cells, cells with expected < 5 merged; 0.0 if a draw hit a
-    zero-probability cell (an impossible outcome is a certain failure, not a statistical one)."""
-    obs = counts.ravel().astype(float)
-    exp = joint.ravel() * obs.sum()
-    if obs[exp == 0].sum() > 0:
-        return 0.0
-    big = exp >= 5
-    o, e = list(obs[big]), list(exp[big])
-    small_e, small_o = exp[~big & (exp > 0)].sum(), obs[~big & (exp > 0)].sum()
-    if small_e >= 5:
-        o.append(small_o)
-        e.append(small_e)
-    elif small_e > 0:  # too little to stand alone: fold into the smallest big cell
-        j = int(np.argmin(e))
-        o[j] += small_o
-        e[j] += small_e
-    e = np.array(e) * (sum(o) / sum(e))
-    return float(chisquare(o, e).pvalue)
-
-
 def test_reference_logits_match_our_runtime(llm, ref_logits):
     """Sanity: the distribution we test against is the model's (our forward agrees with transformers)."""
     from verispec.decoding import DecodeContext, Stats, timed_forward
@@ -108,7 +87,7 @@ def test_reference_logits_match_our_runtime(llm, ref_logits):
     cfg = llm.target.config
     cache = KVCache.for_model(cfg, 1, len(PROMPT) + 1, torch.float32)
     ctx = DecodeContext(llm.target.model, cache, torch.tensor([PROMPT]), SamplingParams(), None, Stats())
-    logits, _ = timed_forward(ctx, ctx.prompt, num_logits=1)
+    logits = timed_forward(ctx, ctx.prompt, num_logits=1)
     torch.testing.assert_close(logits[0, -1].double(), ref_logits[0], rtol=1e-4, atol=1e-4)
 
 
@@ -126,32 +105,14 @@ def test_cases_are_nontrivial(ref_logits):
     assert (rows - 0.8).abs().min() > 1e-4
 
 
-def _naive_probs(row: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """float64, written out step by step: temperature, top-k (ties kept), softmax, top-p (boundary kept)."""
-    z = row / temperature
-    if 0 < top_k < len(z):
-        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        keep, mass = np.zeros(len(p), bool), 0.0
-        for i in sorted(range(len(p)), key=lambda i: (-p[i], i)):
-            if mass >= top_p:
-                break
-            keep[i], mass = True, mass + p[i]
-        p = np.where(keep, p, 0.0)
-        p /= p.sum()
-    return p
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_exact_distribution_is_independently_right(ref_logits, name):
     """The expected cells come from logits_to_probs: check them against a naive float64 computation, so a
     bug in that shared transform cannot make sampler and expectation wrong together."""
     kw = CASES[name]
     first, second = (t.numpy() for t in ref_logits)
-    p1 = _naive_probs(first, kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0))
-    p2 = np.stack([_naive_probs(r, kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0)) for r in second])
+    p1 = naive_probs(first, kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0))
+    p2 = np.stack([naive_probs(r, kw["temperature"], kw.get("top_k", 0), kw.get("top_p", 1.0)) for r in second])
     want = p1[:, None] * p2
     got = exact_joint(ref_logits, SamplingParams(**kw))
     assert np.array_equal(got > 0, want > 0)

@@ -226,7 +226,7 @@ def test_tokenizer_from_gguf(tmp_path):
 
     ref_tok = byte_tokenizer()
     tokens = [t for t, _ in sorted(ref_tok.get_vocab().items(), key=lambda kv: kv[1])]
-    assert len(tokens) == 258  # fewer than the 264 embedding rows, like real checkpoints
+    assert len(tokens) == 259  # fewer than the 264 embedding rows, like real checkpoints
     path = tmp_path / "tok.gguf"
     write_gguf(path, "qwen2", make_hf_model("qwen2", seed=3), tokens=tokens)
     lm = load(str(path), torch.float32, "cpu")

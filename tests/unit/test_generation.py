@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny import EOS_ID, make_hf_dir
+from tiny import PAD_IDS, EOS_ID, make_hf_dir
 from verispec import LLM, ConfigError, SamplingParams, VerispecError
 from verispec.stopping import StopChecker
 
@@ -42,7 +42,7 @@ def hf_greedy(model, ids: list[int], n: int, stop_at_eos: bool) -> list[int]:
     kw = {} if stop_at_eos else {"eos_token_id": None}
     with torch.no_grad():
         out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                             pad_token_id=0, **kw)
+                             pad_token_id=0, suppress_tokens=PAD_IDS, **kw)
     return out[0, len(ids):].tolist()
 
 

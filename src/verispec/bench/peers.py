@@ -14,7 +14,7 @@ from ..errors import VerispecError
 class HFPeer:
     name = "hf"
 
-    def __init__(self, source: str, dtype: torch.dtype, device: str):
+    def __init__(self, source: str, dtype: torch.dtype, device: str, suppress: list[int] | None = None):
         import transformers
 
         from ..models import registry
@@ -34,6 +34,8 @@ class HFPeer:
         self.gen_config.eos_token_id = []  # None falls back to the model config's EOS
         self.gen_config.pad_token_id = 0
         self.gen_config.do_sample = False
+        if suppress:  # the padding rows verispec never samples
+            self.gen_config.suppress_tokens = list(suppress)
 
     @torch.inference_mode()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:

@@ -27,6 +27,7 @@ ARCHITECTURES: dict[str, ArchTraits] = {
     "qwen3": ArchTraits(qkv_bias=None, o_bias=None, qk_norm=True, hf_class="Qwen3ForCausalLM"),
 }
 
+MASKED_TOKENS_KEY = "verispec_masked_token_ids"  # config.json key we add: padding rows of the vocabulary
 ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")  # freq_factors: GGUF rope_freqs tensor
 
 
@@ -52,6 +53,7 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default=())
+    masked_token_ids: tuple[int, ...] = field(default=())  # vocabulary rows that are padding, not tokens
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
@@ -103,6 +105,7 @@ class ModelConfig:
                 sliding_window=int(window) if window else None,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=tuple(int(e) for e in eos),
+                masked_token_ids=tuple(int(i) for i in cfg.get(MASKED_TOKENS_KEY) or ()),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise VerispecError(f"invalid model config: missing or malformed field {e}") from None
@@ -130,6 +133,8 @@ class ModelConfig:
         }
         if self.rope_scaling:
             out["rope_scaling"] = dict(self.rope_scaling)
+        if self.masked_token_ids:
+            out[MASKED_TOKENS_KEY] = list(self.masked_token_ids)
         if self.model_type in ("llama", "qwen3"):
             out["attention_bias"] = self.qkv_bias
         if self.model_type == "llama":

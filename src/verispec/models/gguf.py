@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..errors import VerispecError
+from .config import MASKED_TOKENS_KEY
 
 # GGUF architecture -> HF model_type
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
@@ -39,7 +40,8 @@ GGUF_TO_HF = {
     "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
 }
 _PATTERNS = [(re.compile("^" + re.escape(g).replace(r"\{i\}", r"(\d+)") + "$"), h) for g, h in GGUF_TO_HF.items()]
-ROPE_FREQS = "rope_freqs.weight"  # llama3-style per-frequency divisors
+ROPE_FREQS = "rope_freqs.weight"
+UNUSED_TOKEN_TYPE = 5  # llama.cpp's LLAMA_TOKEN_TYPE_UNUSED: "[PAD151665]" and the like  # llama3-style per-frequency divisors
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -126,8 +128,12 @@ class GGUFFile:
             "eos_token_id": list(dict.fromkeys(int(e) for e in eos if e is not None)),
             "hidden_act": "silu",
         }
-        if tokens is not None and len(tokens.data) != vocab:
-            cfg["tokenizer_vocab_size"] = len(tokens.data)
+        types = self.field("tokenizer.ggml.token_type")
+        unused = [i for i, t in enumerate(types or ()) if t == UNUSED_TOKEN_TYPE]
+        if tokens is not None and len(tokens.data) < vocab:
+            unused += range(len(tokens.data), vocab)
+        if unused:  # padding rows of the embedding: never to be sampled or drafted
+            cfg[MASKED_TOKENS_KEY] = unused
         if self.field(f"{a}.rope.scaling.type") == "linear":
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self.field(f"{a}.rope.scaling.factor"))}
         if ROPE_FREQS in self.tensors:

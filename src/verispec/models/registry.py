@@ -53,6 +53,7 @@ REGISTRY: dict[str, RegistryEntry] = {
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = {DEFAULT_TARGET: "qwen2.5-coder-0.5b-instruct"}
 DONE_MARK = "verispec-converted.json"
+FORMAT = 2  # bump when conversion output changes; older directories are converted again
 
 
 def cache_dir() -> Path:
@@ -64,7 +65,10 @@ def model_dir(name: str) -> Path:
 
 
 def is_cached(name: str) -> bool:
-    return (model_dir(name) / DONE_MARK).is_file()
+    try:
+        return json.loads((model_dir(name) / DONE_MARK).read_text()).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
 
 
 def dir_size(path: Path) -> int:
@@ -160,7 +164,7 @@ def _convert(entry: RegistryEntry, gguf_path: Path, out: Path, progress: bool) -
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(entry.eos_token_ids)}
     (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
     load_tokenizer(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(str(tmp))
-    (tmp / DONE_MARK).write_text(json.dumps({"name": entry.name, "sha256": entry.sha256,
+    (tmp / DONE_MARK).write_text(json.dumps({"name": entry.name, "format": FORMAT, "sha256": entry.sha256,
                                              "source": entry.upstream}, indent=2))
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)

@@ -1,0 +1,115 @@
+"""Benchmark summaries (medians per category and overall) and the Markdown report."""
+
+from __future__ import annotations
+
+import statistics
+
+
+def label(run: dict) -> str:
+    return run["method"] if run["num_draft_tokens"] is None else f"{run['method']}:K={run['num_draft_tokens']}"
+
+
+def _spread(values: list[float]) -> list[float]:
+    return [min(values), max(values)]
+
+
+def _method_stats(rs: list[dict], ar_by_prompt: dict[str, dict]) -> dict:
+    """Aggregate the runs of one method (one K) over some prompts."""
+    med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
+    out = {"prompts": len(rs), "tokens_per_s": med("tokens_per_s"), "tau": med("mean_accepted_length"),
+           "identical_to_ar": sum(r["identical_to_ar"] for r in rs)}
+    if rs[0]["method"] == "ar":
+        return {**out, "speedup": 1.0, "alpha": None}
+    speedups = [r["speedup"] for r in rs]
+    drafted = sum(r["drafted_tokens"] for r in rs)
+    K = max(len(r["per_position_reached"]) for r in rs)
+    reached, accepted = [0] * K, [0] * K
+    for r in rs:
+        for i, (rate, n) in enumerate(zip(r["per_position_acceptance"], r["per_position_reached"])):
+            reached[i] += n
+            accepted[i] += round((rate or 0.0) * n)
+    # c: draft cost per drafted token / target cost per AR token, same prompt
+    costs = [(r["draft_s"] / r["drafted_tokens"]) / (ar_by_prompt[r["prompt_id"]]["decode_ms_per_token"] / 1e3)
+             for r in rs if r["drafted_tokens"]]
+    joint, run = [], 1.0
+    for a, n in zip(accepted, reached):
+        run *= a / n if n else 0.0
+        joint.append(run)
+    return {**out, "speedup": statistics.median(speedups), "speedup_spread": _spread(speedups),
+            "alpha": sum(r["accepted_tokens"] for r in rs) / drafted if drafted else 0.0,
+            "per_position_acceptance": [a / n if n else None for a, n in zip(accepted, reached)],
+            "per_position_joint": joint,  # P(all of the first i+1 drafts accepted)
+            "cost_ratio_c": statistics.median(costs) if costs else None}
+
+
+def summarize(runs: list[dict], weight_bytes: int, bandwidths: list[float], curve: dict[int, float],
+              greedy: bool) -> dict:
+    ar = [r for r in runs if r["method"] == "ar"]
+    ar_by_prompt = {r["prompt_id"]: r for r in ar}
+    ours_ms = statistics.median(r["decode_ms_per_token"] for r in ar)
+    bw = max(bandwidths)
+    floor_ms = weight_bytes / (bw * 1e9) * 1e3
+    decode = {"ours_ms_per_token": ours_ms, "ours_spread_ms": _spread([r["decode_ms_per_token"] for r in ar]),
+              "floor_ms_per_token": floor_ms, "ratio_to_floor": ours_ms / floor_ms, "read_bandwidth_gbs": bw,
+              "read_bandwidth_samples_gbs": bandwidths, "weight_bytes": weight_bytes,
+              "verify_cost_ms": curve, "verify_cost_ratio": {T: ms / curve[1] for T, ms in curve.items()}}
+    if "hf_ms_per_token" in ar[0]:
+        hf_ms = [r["hf_ms_per_token"] for r in ar]
+        decode.update(hf_ms_per_token=statistics.median(hf_ms), hf_spread_ms=_spread(hf_ms),
+                      speedup_vs_hf=statistics.median(hf_ms) / ours_ms,
+                      outputs_identical=sum(r["hf_identical_prefix_tokens"] == r["new_tokens"] for r in ar))
+    labels = list(dict.fromkeys(label(r) for r in runs))
+    categories = list(dict.fromkeys(r["category"] for r in runs))
+    overall = {lb: _method_stats([r for r in runs if label(r) == lb], ar_by_prompt) for lb in labels}
+    by_category = {c: {lb: _method_stats([r for r in runs if label(r) == lb and r["category"] == c], ar_by_prompt)
+                       for lb in labels} for c in categories}
+    return {"decode": decode, "overall": overall, "by_category": by_category, "greedy": greedy}
+
+
+def markdown(r: dict) -> str:
+    s, env = r["summary"], r["environment"]
+    d = s["decode"]
+    lines = [f"{r['target']} ({r['dtype']}, {r['device']}, {env['torch_threads']} threads, {env['cpu'] or env['cuda']}), "
+             f"{r['max_new_tokens']} new tokens, temperature {r['temperature']}, chat={r['chat']}"
+             + (f", draft {r['draft']}" if r.get("draft") else ""), ""]
+    if r.get("command"):
+        lines += [f"command: `{r['command']}`", ""]
+    lines += ["AR decode (ms/token, prefill excluded):", "",
+              "| prompt | tokens in | ours | transformers | ours vs transformers | same tokens as transformers |",
+              "|---|---|---|---|---|---|"]
+    for run in (x for x in r["runs"] if x["method"] == "ar"):
+        hf = run.get("hf_ms_per_token")
+        lines.append(f"| {run['prompt_id']} | {run['prompt_tokens']} | {run['decode_ms_per_token']:.1f} | "
+                     + (f"{hf:.1f} | {hf / run['decode_ms_per_token']:.2f}x | "
+                        f"{run['hf_identical_prefix_tokens']}/{run['new_tokens']} |" if hf else "- | - | - |"))
+    lines += ["", f"- weights read per token: {d['weight_bytes'] / 1e9:.2f} GB; measured read bandwidth "
+                  f"{d['read_bandwidth_gbs']:.1f} GB/s (best of "
+                  f"{', '.join(f'{b:.1f}' for b in d['read_bandwidth_samples_gbs'])}, before and after) "
+                  f"-> floor {d['floor_ms_per_token']:.1f} ms/token",
+              f"- ours: median {d['ours_ms_per_token']:.1f} ms/token (spread {d['ours_spread_ms'][0]:.1f}-"
+              f"{d['ours_spread_ms'][1]:.1f}) = {d['ratio_to_floor']:.2f}x the floor",
+              "- one target forward over T new tokens (warm cache): " + ", ".join(
+                  f"T={T}: {ms:.1f} ms ({d['verify_cost_ratio'][T]:.2f}x)" for T, ms in d["verify_cost_ms"].items())]
+    if "hf_ms_per_token" in d:
+        lines.append(f"- transformers: median {d['hf_ms_per_token']:.1f} ms/token (spread {d['hf_spread_ms'][0]:.1f}-"
+                     f"{d['hf_spread_ms'][1]:.1f}); ours is {d['speedup_vs_hf']:.2f}x faster; "
+                     f"identical outputs on {d['outputs_identical']}/{sum(x['method'] == 'ar' for x in r['runs'])} prompts")
+    spec = [lb for lb in s["overall"] if lb != "ar"]
+    if spec:
+        lines += ["", "Speculative methods (speedup = our AR wall time / method wall time, same prompt, same run; "
+                      "medians; c = draft cost per drafted token / AR target cost per token):", "",
+                  "| category | method | speedup (spread) | tau | alpha | per-position acceptance | c | tok/s | "
+                  + ("identical to AR |" if s["greedy"] else "prompts |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for cat, table in [*s["by_category"].items(), ("overall", s["overall"])]:
+            for lb in spec:
+                m = table[lb]
+                pos = " ".join("-" if a is None else f"{a:.2f}" for a in m["per_position_acceptance"])
+                last = f"{m['identical_to_ar']}/{m['prompts']}" if s["greedy"] else str(m["prompts"])
+                lines.append(f"| {cat} | {lb} | {m['speedup']:.2f}x ({m['speedup_spread'][0]:.2f}-"
+                             f"{m['speedup_spread'][1]:.2f}) | {m['tau']:.2f} | {m['alpha']:.2f} | {pos} | "
+                             f"{m['cost_ratio_c']:.2f} | {m['tokens_per_s']:.1f} | {last} |")
+        for cat, table in [*s["by_category"].items(), ("overall", s["overall"])]:
+            best = max(spec, key=lambda lb: table[lb]["speedup"])
+            lines.append(f"- best in {cat}: {best} at {table[best]['speedup']:.2f}x")
+    return "\n".join(lines)

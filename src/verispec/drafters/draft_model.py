@@ -1,0 +1,75 @@
+"""A separate small model drafts K tokens autoregressively, with its own KV cache.
+
+Each round it first catches up on the committed tokens it has not seen (the recovered or bonus
+token, plus the last drafted token after a fully accepted round), in one forward, then samples K
+tokens with the same temperature / top-k / top-p transform as the target.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..models.kv_cache import KVCache
+from ..models.llama import Transformer
+from ..sampling import logits_to_probs, mask_logits
+from .base import Draft, DraftRequest
+
+
+class DraftModelDrafter:
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.cache: KVCache | None = None
+        self.fed: list[int] = []  # the tokens whose keys/values are in self.cache, in order
+        self.proposed: list[int] = []  # this round's draft, for update()
+
+    def propose(self, request: DraftRequest) -> Draft:
+        ctx, K = request.context, request.num_tokens
+        device = self.model.embed_tokens.weight.device
+        if self.cache is None or self.cache.capacity < request.capacity:
+            self.cache = KVCache.for_model(self.model.config, 1, request.capacity, self.model.dtype, device)
+            self.fed = []
+        # 1. catch up: feed the committed tokens the draft cache lacks (all of the prompt, first time)
+        assert self.fed == ctx[: len(self.fed)], "draft cache out of sync with the committed context"
+        tokens = torch.tensor([ctx[len(self.fed):]], device=device)  # [1, T]
+        tokens_out, probs_out = [], []
+        for _ in range(K):
+            logits = fit_vocab(self._forward(tokens), request.vocab_size, request.logit_mask)  # [1, V]
+            probs = None if request.params.greedy else logits_to_probs(logits, request.params)  # [1, V]
+            token = logits.argmax(-1) if probs is None else torch.multinomial(probs, 1, generator=request.generator)[:, 0]
+            tokens_out.append(token)
+            if probs is not None:
+                probs_out.append(probs)
+            tokens = token[:, None]  # [1, 1]
+        self.proposed = [t.item() for t in tokens_out]
+        draft_tokens = torch.stack(tokens_out, dim=1)  # [1, K]
+        draft_probs = torch.stack(probs_out, dim=1) if probs_out else None  # [1, K, V] or None (greedy)
+        return Draft(draft_tokens, draft_probs)
+
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed tokens [1, T] at the next positions; return the last position's logits [1, V]."""
+        start = self.cache.length
+        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+        logits, _ = self.model(tokens, positions, self.cache, num_logits=1)
+        self.fed.extend(tokens[0].tolist())
+        return logits[:, -1]
+
+    def update(self, num_accepted: int) -> None:
+        # The cache holds the context plus proposed[:-1] (the last draft was never fed back in).
+        keep = len(self.fed) - (len(self.proposed) - 1) + min(num_accepted, len(self.proposed) - 1)
+        self.cache.truncate(keep)
+        del self.fed[keep:]
+
+
+def fit_vocab(logits: torch.Tensor, vocab_size: int, mask: torch.Tensor | None) -> torch.Tensor:
+    """Draft logits [B, Vd] -> [B, vocab_size] over the target's rows, padding rows masked out.
+
+    Same tokenizer, different padding (e.g. 151,936 vs 152,064 embedding rows) is fine: rows past
+    either model's real vocabulary are masked, so cutting or padding them changes nothing.
+    """
+    Vd = logits.shape[-1]
+    if Vd > vocab_size:
+        logits = logits[..., :vocab_size]
+    elif Vd < vocab_size:
+        logits = F.pad(logits, (0, vocab_size - Vd), value=float("-inf"))
+    return mask_logits(logits, mask)

@@ -1,0 +1,108 @@
+"""Shared by the exactness tests: the chi-square statistic, a float64 reference of the sampling
+transform, and deliberately broken verifiers for the negative controls.
+
+``variant_verify(bug)`` is a compact re-implementation of speculative sampling (Leviathan et al.
+2022, Algorithm 1) with one switchable mistake; ``bug=None`` is the correct rule, so the harness can
+show that the copy itself passes and only the mistake makes a test fail.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from scipy.stats import chisquare
+
+from verispec.sampling import logits_to_probs
+from verispec.verify import PLACEHOLDER_TOKEN_ID, Verdict
+
+ALPHA = 1e-3
+
+BUGS = {
+    None: "correct rule (the copy itself)",
+    "always_accept": "every draft accepted, bonus from p_{K+1}",
+    "recover_from_p": "recovered token drawn from p instead of norm(max(0, p - q))",
+    "bonus_from_p_K": "bonus token drawn from p_K instead of p_{K+1} (off by one)",
+    "shared_u": "one uniform per round shared by all K positions instead of one per position",
+}
+
+
+def variant_verify(bug: str | None):
+    assert bug in BUGS, bug
+
+    def verify(target_logits, draft_tokens, draft_probs, params, generator) -> Verdict:
+        B, K = draft_tokens.shape
+        p = logits_to_probs(target_logits, params)  # [B, K+1, V]
+        V = p.shape[-1]
+        q = F.one_hot(draft_tokens, V).to(p.dtype) if draft_probs is None else draft_probs  # [B, K, V]
+        x = draft_tokens[..., None]
+        p_x, q_x = p[:, :K].gather(-1, x)[..., 0], q.gather(-1, x)[..., 0]  # [B, K]
+        if params.greedy:
+            u = torch.zeros_like(p_x)
+        elif bug == "shared_u":
+            u = torch.rand((B, 1), generator=generator).expand(B, K)
+        else:
+            u = torch.rand((B, K), generator=generator)
+        accepted = u * q_x < p_x
+        if bug == "always_accept":
+            accepted = torch.ones_like(accepted)
+        n = accepted.long().cumprod(-1).sum(-1)  # [B]
+        rows = torch.arange(B)
+        rejected = n < K
+        p_n = p[rows, n]  # [B, V]
+        if bug == "bonus_from_p_K":
+            p_n = torch.where(rejected[:, None], p_n, p[:, K - 1])
+        residual = (p_n - q[rows, n.clamp(max=K - 1)] * rejected[:, None]).clamp(min=0)
+        if bug == "recover_from_p":
+            residual = p_n
+        mass = residual.sum(-1, keepdim=True)
+        residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
+        extra = residual.argmax(-1) if params.greedy else torch.multinomial(residual, 1, generator=generator)[:, 0]
+        tokens = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+        keep = torch.arange(K)[None] < n[:, None]
+        tokens[:, :K] = torch.where(keep, draft_tokens, PLACEHOLDER_TOKEN_ID)
+        tokens[rows, n] = extra
+        return Verdict(tokens, n)
+
+    verify.__name__ = f"verify_{bug or 'copy'}"
+    return verify
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square of observed counts against exact cell probabilities (any shape), cells with
+    expected < 5 pooled; 0.0 if a draw hit a zero-probability cell (an impossible outcome is a certain
+    failure, not a statistical one). Same statistic as tests/exactness/test_ar_distribution.py."""
+    obs = counts.ravel().astype(float)
+    exp = probs.ravel() / probs.sum() * obs.sum()
+    if obs[exp == 0].sum() > 0:
+        return 0.0
+    big = exp >= 5
+    o, e = list(obs[big]), list(exp[big])
+    small_e, small_o = exp[~big & (exp > 0)].sum(), obs[~big & (exp > 0)].sum()
+    if small_e >= 5:
+        o.append(small_o)
+        e.append(small_e)
+    elif small_e > 0:  # too little to stand alone: fold into the smallest big cell
+        j = int(np.argmin(e))
+        o[j] += small_o
+        e[j] += small_e
+    e = np.array(e) * (sum(o) / sum(e))
+    return float(chisquare(o, e).pvalue)
+
+
+def naive_probs(row: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """float64, written out step by step: temperature, top-k (ties kept), softmax, top-p (boundary kept)."""
+    z = row / temperature
+    if 0 < top_k < len(z):
+        z = np.where(z >= np.sort(z)[::-1][top_k - 1], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        keep, mass = np.zeros(len(p), bool), 0.0
+        for i in sorted(range(len(p)), key=lambda i: (-p[i], i)):
+            if mass >= top_p:
+                break
+            keep[i], mass = True, mass + p[i]
+        p = np.where(keep, p, 0.0)
+        p /= p.sum()
+    return p
