@@ -30,6 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--draft-quant", default="int8", choices=["int8", "none"],
+                   help="draft model matrices in int8 on CPU (default) or as loaded; exactness is unaffected")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
@@ -89,7 +91,8 @@ def cmd_generate(args) -> int:
         raise VerispecError("empty prompt")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop])
-    llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads)
+    llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
+              draft_quant=args.draft_quant)
     kw = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, chat=args.chat, system=args.system)
     if args.json or args.no_stream or not llm.codec.has_tokenizer:
         out = llm.generate(prompt, params, **kw)

@@ -84,8 +84,12 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str | None = None  # None: cuda when available, else cpu
     threads: int | None = None  # None: torch's default
+    draft_quant: str | None = "int8"  # int8: the draft model's matrices in int8 (CPU); None: as loaded
 
     def __post_init__(self):
+        _check(self.draft_quant in (None, "none", "int8"), f"draft_quant must be int8 or none, got {self.draft_quant!r}")
+        if self.draft_quant == "none":
+            object.__setattr__(self, "draft_quant", None)
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.device is None or self.device.split(":")[0] in DEVICES,
                f"device must be cpu or cuda, got {self.device!r}")

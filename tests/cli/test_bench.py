@@ -28,8 +28,8 @@ def test_bench_reports_floor_and_peer(tiny_dirs, tmp_path, capsys):
 def test_bench_speculative_rows(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "bench.json"
     t = str(tiny_dirs["qwen2"])
-    rc = main(["bench", "--target", t, "--draft", t, "--dtype", "float32", "--quick", "--peers", "none",
-               "--methods", "ar,draft", "--num-draft-tokens", "2,3", "--json", str(out)])
+    rc = main(["bench", "--target", t, "--draft", t, "--draft-quant", "none", "--dtype", "float32", "--quick",
+               "--peers", "none", "--methods", "ar,draft", "--num-draft-tokens", "2,3", "--json", str(out)])
     assert rc == 0
     report = json.loads(out.read_text())
     overall = report["summary"]["overall"]

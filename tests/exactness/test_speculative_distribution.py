@@ -141,7 +141,7 @@ class TableModel:
 
 
 def make_llm(model_dirs, draft: str, tables=None) -> LLM:
-    llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs[draft]), dtype="float32")
+    llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs[draft]), dtype="float32", draft_quant="none")
     if tables is not None:
         llm.target.model = TableModel(llm.target.model, tables["target"])
         llm.draft.model = TableModel(llm.draft.model, tables[draft])
@@ -247,6 +247,19 @@ def test_speculative_sampling_matches_exact_distribution(table_llms, tables, nam
     assert lo < acceptance < hi, f"{name}: acceptance rate {acceptance:.3f} outside ({lo}, {hi})"
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p > ALPHA, f"{name}: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
+
+
+def test_int8_draft_matches_exact_distribution(model_dirs, tables):
+    """The CPU default: the draft's matrices in int8 (the real network and oneDNN's int8 kernels produce
+    q; only the target is table-backed). An approximate q must leave the output law exactly p."""
+    llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs["near"]), dtype="float32")
+    assert llm.draft.model.layers[0].mlp.down_proj.q8 is not None, "the draft did not run in int8"
+    llm.target.model = TableModel(llm.target.model, tables["target"])
+    params = SamplingParams(temperature=1.0)
+    counts, acceptance = draw(llm, 2, params, N, first_seed=500_000)
+    assert 0.3 < acceptance < 0.98, acceptance
+    p = chi2_pvalue(counts, exact_joint(tables, params))
+    assert p > ALPHA, f"int8 draft: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
 
 
 @pytest.mark.parametrize("name,bug", NEGATIVE)

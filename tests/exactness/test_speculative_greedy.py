@@ -22,7 +22,7 @@ from verispec import LLM, SamplingParams
 
 ARCHS = ["qwen2", "llama"]
 KS = [1, 2, 4, 8]
-DRAFTS = ["same", "near", "other"]
+DRAFTS = ["same", "near", "other", "same-int8"]
 PROMPTS = ["Hello, world", "def f(x):\n    return"]
 N = 24
 
@@ -54,9 +54,12 @@ def llms(tiny_dirs, draft_dirs):
     out = {}
     for arch in ARCHS:
         target = str(tiny_dirs[arch])
-        out[arch, "same"] = LLM(target=target, draft=target, dtype="float32")
+        # draft_quant="none": these drafts keep the float weights, so "same" really is the target
+        out[arch, "same"] = LLM(target=target, draft=target, dtype="float32", draft_quant="none")
         for d in ("near", "other"):
-            out[arch, d] = LLM(target=target, draft=str(draft_dirs[arch, d]), dtype="float32")
+            out[arch, d] = LLM(target=target, draft=str(draft_dirs[arch, d]), dtype="float32", draft_quant="none")
+        # the default on CPU: the same weights run in int8 (an approximate q; the output must not change)
+        out[arch, "same-int8"] = LLM(target=target, draft=target, dtype="float32")
     return out
 
 
@@ -96,6 +99,8 @@ def test_greedy_identity(llms, arch, K, draft):
             assert s["target_forwards"] == best_forwards(N, K)
             assert s["mean_accepted_length"] == pytest.approx(N / best_forwards(N, K))
             assert s["mean_accepted_length"] > 0.6 * (K + 1)
+        elif draft == "same-int8":
+            assert out.stats["acceptance_rate"] > 0.5, s["acceptance_rate"]  # int8 q is close to p, not equal
         elif draft == "near":
             assert 0.05 < s["acceptance_rate"] < 0.98, s["acceptance_rate"]
             if K > 1:  # some round ended after some but not all of its drafts: a rejection past position 0
@@ -215,7 +220,8 @@ def ids_only(tmp_path_factory):
     root = tmp_path_factory.mktemp("ids_only_spec")
     target = make_hf_dir(root / "t", "qwen2", seed=0, tokenizer=False)  # the weights of tiny_dirs["qwen2"]
     other = make_hf_dir(root / "d", "llama", seed=7, tokenizer=False)
-    return {d: LLM(target=str(target), draft=str(target if d == "same" else other), dtype="float32")
+    return {d: LLM(target=str(target), draft=str(target if d == "same" else other), dtype="float32",
+                   draft_quant="none")
             for d in ("same", "other")}
 
 

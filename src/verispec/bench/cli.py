@@ -66,7 +66,8 @@ def run_bench(args) -> int:
     prompts = DECODE_PROMPTS[: (2 if args.quick else args.limit or len(DECODE_PROMPTS))]
     if not prompts:
         raise VerispecError("--limit must be >= 1")
-    llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads)
+    llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
+              draft_quant=args.draft_quant)
     if not llm.codec.has_tokenizer:
         raise VerispecError("the benchmark needs a model with a tokenizer")
     for spec in spec_runs[:1]:
@@ -105,6 +106,7 @@ def run_bench(args) -> int:
     report = {
         "command": "verispec " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "verispec" else None,
         "target": args.target, "draft": llm.draft.source if llm.draft else None, "dtype": args.dtype,
+        "draft_quant": args.draft_quant,
         "device": llm.device, "max_new_tokens": n_new, "temperature": args.temperature, "chat": chat,
         "environment": environment(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs,
         "summary": summarize(runs, weight_bytes, bandwidths, curve, greedy=params.greedy),
