@@ -62,10 +62,8 @@ def byte_tokenizer():
 
 
 def _byte_of(ch: str) -> int:
-    from tokenizers import pre_tokenizers  # noqa: F401  (alphabet order = GPT-2 bytes_to_unicode)
-
-    table = _bytes_to_unicode()
-    return {v: k for k, v in table.items()}[ch]
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode, inverted)."""
+    return {v: k for k, v in _bytes_to_unicode().items()}[ch]
 
 
 def _bytes_to_unicode() -> dict[int, str]:

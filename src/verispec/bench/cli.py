@@ -70,8 +70,8 @@ def run_bench(args) -> int:
               draft_quant=args.draft_quant)
     if not llm.codec.has_tokenizer:
         raise VerispecError("the benchmark needs a model with a tokenizer")
-    for spec in spec_runs[:1]:
-        drafters.METHODS[spec.method](llm)  # load the draft model now, not inside a timed run
+    if spec_runs:  # build one drafter now so the draft model loads here, not inside a timed run
+        drafters.METHODS[spec_runs[0].method](llm)
     params = SamplingParams(max_new_tokens=n_new, ignore_eos=True, temperature=args.temperature, seed=args.seed)
     masked = [] if llm.logit_mask is None else llm.logit_mask.nonzero().flatten().tolist()
     peer = HFPeer(args.target, llm.dtype, llm.device, masked) if args.peers == "hf" else None

@@ -27,10 +27,6 @@ class Draft:
     tokens: torch.Tensor
     draft_probs: torch.Tensor | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return self.tokens.shape[1]
-
 
 @dataclass
 class DraftRequest:

@@ -19,19 +19,16 @@ from .base import Draft, DraftRequest
 class DraftModelDrafter:
     def __init__(self, model: Transformer):
         self.model = model
-        self.cache: KVCache | None = None
-        self.fed: list[int] = []  # the tokens whose keys/values are in self.cache, in order
-        self.proposed: list[int] = []  # this round's draft, for update()
+        self.cache: KVCache | None = None  # holds context[:cache.length]; the engine's context is the truth
+        self.num_proposed = 0  # K of this round, for update()
 
     def propose(self, request: DraftRequest) -> Draft:
         ctx, K = request.context, request.num_tokens
         device = self.model.embed_tokens.weight.device
         if self.cache is None or self.cache.capacity < request.capacity:
             self.cache = KVCache.for_model(self.model.config, 1, request.capacity, self.model.dtype, device)
-            self.fed = []
         # 1. catch up: feed the committed tokens the draft cache lacks (all of the prompt, first time)
-        assert self.fed == ctx[: len(self.fed)], "draft cache out of sync with the committed context"
-        tokens = torch.tensor([ctx[len(self.fed):]], device=device)  # [1, T]
+        tokens = torch.tensor([ctx[self.cache.length:]], device=device)  # [1, T]
         tokens_out, probs_out = [], []
         for _ in range(K):
             logits = fit_vocab(self._forward(tokens), request.vocab_size, request.logit_mask)  # [1, V]
@@ -41,7 +38,7 @@ class DraftModelDrafter:
             if probs is not None:
                 probs_out.append(probs)
             tokens = token[:, None]  # [1, 1]
-        self.proposed = [t.item() for t in tokens_out]
+        self.num_proposed = K
         draft_tokens = torch.stack(tokens_out, dim=1)  # [1, K]
         draft_probs = torch.stack(probs_out, dim=1) if probs_out else None  # [1, K, V] or None (greedy)
         return Draft(draft_tokens, draft_probs)
@@ -51,14 +48,13 @@ class DraftModelDrafter:
         start = self.cache.length
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
         logits, _ = self.model(tokens, positions, self.cache, num_logits=1)
-        self.fed.extend(tokens[0].tolist())
         return logits[:, -1]
 
     def update(self, num_accepted: int) -> None:
-        # The cache holds the context plus proposed[:-1] (the last draft was never fed back in).
-        keep = len(self.fed) - (len(self.proposed) - 1) + min(num_accepted, len(self.proposed) - 1)
-        self.cache.truncate(keep)
-        del self.fed[keep:]
+        # The cache holds the context plus the first K-1 drafts (the last draft was never fed back in);
+        # keep the context and the accepted ones. The rest is fed next round from the committed context.
+        K = self.num_proposed
+        self.cache.truncate(self.cache.length - (K - 1) + min(num_accepted, K - 1))
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int, mask: torch.Tensor | None) -> torch.Tensor:
