@@ -52,7 +52,8 @@ def variant_verify(bug: str | None):
         p_n = p[rows, n]  # [B, V]
         if bug == "bonus_from_p_K":
             p_n = torch.where(rejected[:, None], p_n, p[:, K - 1])
-        residual = (p_n - q[rows, n.clamp(max=K - 1)] * rejected[:, None]).clamp(min=0)
+        q_n = q[rows, n.clamp(max=K - 1)] * rejected[:, None] if K else torch.zeros_like(p_n)  # K = 0: no draft
+        residual = (p_n - q_n).clamp(min=0)
         if bug == "recover_from_p":
             residual = p_n
         mass = residual.sum(-1, keepdim=True)

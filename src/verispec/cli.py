@@ -34,6 +34,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="draft model matrices in int8 on CPU (default) or as loaded; exactness is unaffected")
 
 
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_mutually_exclusive_group()
+    a.add_argument("--adaptive", dest="adaptive", action="store_true", default=False,
+                   help="choose K per round from live acceptance and costs, up to --num-draft-tokens")
+    a.add_argument("--no-adaptive", dest="adaptive", action="store_false", help="fixed K (default)")
+    p.add_argument("--min-draft-tokens", type=int, default=1, help="smallest K an adaptive round may use (default: 1)")
+    p.add_argument("--ngram-max", type=int, default=4, help="n-gram lookup: longest suffix tried first (default: 4)")
+    p.add_argument("--ngram-min", type=int, default=1, help="n-gram lookup: shortest suffix that may match (default: 1)")
+
+
+def spec_options(args) -> dict:
+    return dict(adaptive=args.adaptive, min_draft_tokens=args.min_draft_tokens, ngram_min=args.ngram_min,
+                ngram_max=args.ngram_max)
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
     p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -49,8 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion")
     g.add_argument("prompt", help="prompt text ('-' reads stdin)")
     _add_model_args(g)
-    g.add_argument("--method", default="ar", help="decoding method: ar (default) or draft (a draft model proposes)")
-    g.add_argument("--num-draft-tokens", type=int, default=4, help="K: tokens drafted per round (default: 4)")
+    g.add_argument("--method", default="ar", help="decoding method: ar (default), draft (a draft model proposes), "
+                                                   "ngram (lookup in prompt + output) or auto (the best per round)")
+    g.add_argument("--num-draft-tokens", type=int, default=4,
+                   help="K: tokens drafted per round (default: 4; with --adaptive, the most a round may draft)")
+    _add_spec_args(g)
     _add_sampling_args(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; \\n, \\t are escapes)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
@@ -93,7 +111,8 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop])
     llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
               draft_quant=args.draft_quant)
-    kw = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, chat=args.chat, system=args.system)
+    kw = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, chat=args.chat, system=args.system,
+              **spec_options(args))
     if args.json or args.no_stream or not llm.codec.has_tokenizer:
         out = llm.generate(prompt, params, **kw)
         if not args.json:

@@ -69,12 +69,22 @@ class SpecConfig:
     """Which decoding method, and how many tokens a drafter proposes per round (K)."""
 
     method: str = "ar"
-    num_draft_tokens: int = 4
+    num_draft_tokens: int = 4  # K; with adaptive, the largest K a round may use
+    adaptive: bool = False  # choose K per round from live acceptance and costs (adaptive.py)
+    min_draft_tokens: int = 1  # the smallest K an adaptive round may use
+    ngram_min: int = 1  # n-gram lookup: shortest suffix that may match
+    ngram_max: int = 4  # n-gram lookup: longest suffix tried first
 
     def __post_init__(self):
         _check(isinstance(self.method, str) and bool(self.method), f"method must be a name, got {self.method!r}")
         _check(_is_int(self.num_draft_tokens) and self.num_draft_tokens >= 1,
                f"num_draft_tokens must be an integer >= 1, got {self.num_draft_tokens!r}")
+        _check(_is_int(self.min_draft_tokens) and 1 <= self.min_draft_tokens <= self.num_draft_tokens,
+               f"min_draft_tokens must be an integer in [1, num_draft_tokens={self.num_draft_tokens}], "
+               f"got {self.min_draft_tokens!r}")
+        _check(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
+               f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
+        _check(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,7 @@ class Stats:
     accepted_tokens: int = 0
     reached: list[int] = field(default_factory=list)  # [K] (sized by the loop): rounds that judged position i
     accepted_at: list[int] = field(default_factory=list)  # [K]: rounds in which position i was accepted
+    drafter_rounds: dict[str, int] = field(default_factory=dict)  # rounds per drafter, when one delegates
 
     def record_round(self, num_drafted: int, num_accepted: int) -> None:
         self.drafted_tokens += num_drafted
@@ -80,6 +81,8 @@ class Stats:
                 per_position_acceptance=[a / r if r else None for a, r in zip(self.accepted_at, self.reached)],
                 per_position_reached=list(self.reached),
             )
+        if self.drafter_rounds:
+            out["drafter_rounds"] = dict(self.drafter_rounds)
         return out
 
 
@@ -116,7 +119,7 @@ def autoregressive(ctx: DecodeContext) -> Iterator[list[int]]:
 
 
 def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
-    """Draft K tokens, verify them in one target forward, commit the accepted run plus one token."""
+    """Draft up to K tokens, verify them in one target forward, commit the accepted run plus one token."""
     # Report K positions (None where never reached) even if the budget or a stop ends the run first.
     ctx.stats.reached = [0] * ctx.num_draft_tokens
     ctx.stats.accepted_at = [0] * ctx.num_draft_tokens
@@ -132,11 +135,12 @@ def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
             context.append(last.item())
             yield context[-1:]
             continue
-        # 1. propose: K draft tokens and their distributions q
+        # 1. propose: up to K draft tokens and their distributions q (fewer, or none, is allowed)
         t0 = time.perf_counter()
         draft = ctx.drafter.propose(DraftRequest(context, K, ctx.params, ctx.generator, capacity,
-                                                 ctx.target.config.vocab_size, ctx.logit_mask))
+                                                 ctx.target.config.vocab_size, ctx.logit_mask, last.device))
         ctx.stats.draft_s += time.perf_counter() - t0
+        K = draft.tokens.shape[1]
         # 2. verify: one target forward over the last committed token and the K drafts -> p_1..p_{K+1}
         start = ctx.cache.length
         logits = timed_forward(ctx, torch.cat([last[:, None], draft.tokens], dim=1))  # [1, K+1, V]
@@ -149,6 +153,8 @@ def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
         # 5. update: the drafter rolls back its own state
         ctx.drafter.update(n)
         ctx.stats.record_round(K, n)
+        if draft.source:
+            ctx.stats.drafter_rounds[draft.source] = ctx.stats.drafter_rounds.get(draft.source, 0) + 1
         last = verdict.tokens[:, n]  # [1]
         context += new
         yield new

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import drafters
+from .adaptive import AdaptiveDrafter, DraftLengthController
 from .config import EngineConfig, SamplingParams, SpecConfig
 from .decoding import DecodeContext, Stats, autoregressive, speculative
 from .errors import ConfigError, VerispecError
@@ -78,21 +79,26 @@ class LLM:
         return tuple(dict.fromkeys(ids))
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, method: str = AR,
-                 num_draft_tokens: int = 4, chat: bool = False, system: str | None = None) -> GenerationOutput:
-        """Generate from ``prompt`` (text, or token ids) with ``method`` ("ar", "draft", ...)."""
-        for _ in self._run(prompt, params, SpecConfig(method, num_draft_tokens), chat, system):
+                 num_draft_tokens: int = 4, chat: bool = False, system: str | None = None,
+                 **spec_options) -> GenerationOutput:
+        """Generate from ``prompt`` (text, or token ids) with ``method`` ("ar", "draft", "ngram", "auto").
+
+        ``spec_options``: the other SpecConfig fields (adaptive, min_draft_tokens, ngram_min, ngram_max).
+        """
+        for _ in self._run(prompt, params, _spec(method, num_draft_tokens, spec_options), chat, system):
             pass
         return self._last
 
     def stream(self, prompt: str | list[int], params: SamplingParams | None = None, method: str = AR,
-               num_draft_tokens: int = 4, chat: bool = False, system: str | None = None) -> Iterator[str]:
+               num_draft_tokens: int = 4, chat: bool = False, system: str | None = None,
+               **spec_options) -> Iterator[str]:
         """Yield text pieces as tokens are committed (each accepted run at once, for speculative methods).
 
         The pieces concatenate to ``generate(...).text``; afterwards ``last_output`` holds the full output.
         """
         if not self.codec.has_tokenizer:
             raise VerispecError("streaming text needs a tokenizer; this model takes token ids only")
-        for stopper in self._run(prompt, params, SpecConfig(method, num_draft_tokens), chat, system):
+        for stopper in self._run(prompt, params, _spec(method, num_draft_tokens, spec_options), chat, system):
             piece = stopper.stream_piece()
             if piece:
                 yield piece
@@ -107,7 +113,9 @@ class LLM:
             raise ConfigError("params must be a verispec.SamplingParams")
         if spec.method != AR and spec.method not in drafters.METHODS:
             raise ConfigError(f"unknown method {spec.method!r} (available: {', '.join([AR, *drafters.METHODS])})")
-        drafter = drafters.METHODS[spec.method](self) if spec.method != AR else None
+        drafter = drafters.METHODS[spec.method](self, spec) if spec.method != AR else None
+        if drafter is not None and spec.adaptive and not getattr(drafter, "adaptive", False):
+            drafter = AdaptiveDrafter(drafter, DraftLengthController(spec.min_draft_tokens, spec.num_draft_tokens))
         prompt_ids = self.codec.encode(prompt, chat=chat, system=system)
         context = self.target.config.max_position_embeddings
         P = len(prompt_ids)
@@ -140,6 +148,14 @@ class LLM:
         self._last = GenerationOutput(stopper.finalize(), stopper.token_ids, stats.as_dict(),
                                       stopper.finish_reason, prompt_ids)
         yield stopper
+
+
+def _spec(method: str, num_draft_tokens: int, options: dict) -> SpecConfig:
+    known = set(SpecConfig.__dataclass_fields__) - {"method", "num_draft_tokens"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ConfigError(f"unknown option {unknown[0]!r} (speculative options: {', '.join(sorted(known))})")
+    return SpecConfig(method, num_draft_tokens, **options)
 
 
 def padding_mask(loaded: LoadedModel, device) -> torch.Tensor | None:

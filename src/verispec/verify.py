@@ -34,7 +34,7 @@ class Verdict:
 
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
            params: SamplingParams, generator: torch.Generator | None) -> Verdict:
-    """target_logits: [B, K+1, V]; draft_tokens: [B, K] (K >= 1); draft_probs: [B, K, V] or None."""
+    """target_logits: [B, K+1, V]; draft_tokens: [B, K] (K >= 0); draft_probs: [B, K, V] or None."""
     B, K = draft_tokens.shape
     p = logits_to_probs(target_logits, params)  # [B, K+1, V]
     x = draft_tokens[..., None]  # [B, K, 1]
@@ -54,7 +54,9 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
     rejected = num_accepted < K  # [B]
     at = num_accepted.clamp(max=K - 1)  # [B]: the rejected position (any valid index for bonus rows)
     p_n = p[rows, num_accepted]  # [B, V]
-    if draft_probs is None:
+    if K == 0:  # nothing drafted: the extra token is the bonus, drawn from p_1
+        q_n = torch.zeros_like(p_n)
+    elif draft_probs is None:
         q_n = F.one_hot(draft_tokens[rows, at], p.shape[-1]).to(p.dtype)  # [B, V]
     else:
         q_n = draft_probs[rows, at]  # [B, V]

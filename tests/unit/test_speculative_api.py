@@ -88,7 +88,7 @@ def test_stats_are_consistent(llm, K, kw):
 
 
 def test_stats_same_and_unrelated_drafts(dirs):
-    same = LLM(target=dirs["target"], draft=dirs["target"], dtype="float32")
+    same = LLM(target=dirs["target"], draft=dirs["target"], dtype="float32", draft_quant="none")  # truly the same
     s = same.generate("Stats: ", SamplingParams(max_new_tokens=31, ignore_eos=True), method="draft",
                       num_draft_tokens=5).stats
     check_stats(s, 5)
@@ -129,7 +129,7 @@ def test_draft_model_proposes_from_the_committed_context(dirs, monkeypatch, kw):
     """Each proposal must be what the draft model says, computed from scratch, for the committed context
     plus the tokens drafted so far this round. A stale draft cache would not break exactness (any q is
     fine) but would silently ruin the acceptance rate, so it is checked here directly."""
-    # float draft: an int8 draft's single-row steps and a from-scratch multi-row forward differ by design
+    # float draft: an int8 draft's short steps and a from-scratch multi-row forward differ by design
     llm = LLM(target=dirs["target"], draft=dirs["other"], dtype="float32", draft_quant="none")
     params = SamplingParams(max_new_tokens=40, ignore_eos=True, **kw)
     draft = llm.draft.model

@@ -1,15 +1,18 @@
-"""`verispec bench`: decode speed against the bandwidth floor and transformers, and speculative methods
-against our own AR in the same run.
+"""`verispec bench`: per-category acceptance and speedup of every method against our own AR, with
+transformers' ``generate()`` (plain, ``assistant_model=``, ``prompt_lookup_num_tokens=``) in the same run.
 
-Per prompt, interleaved: our AR (the baseline), transformers' ``generate`` on the same checkpoint and
-dtype (``--peers hf``), then every speculative method at every K. One warm-up each first. Speedup =
-AR wall time / method wall time for the same prompt, prefill included; medians per category.
+Per prompt, interleaved: our AR (the baseline), the transformers peers, then every speculative method
+at every K; one warm-up each first. Speedup = AR wall time / method wall time for the same prompt,
+prefill included; medians per category and overall. The JSON report is rewritten after every prompt,
+so an interrupted run keeps what it measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib.util
 import json
-import statistics
+import os
 import sys
 import time
 from pathlib import Path
@@ -20,18 +23,36 @@ from ..errors import VerispecError
 def add_bench_parser(sub) -> None:
     from ..cli import _add_model_args
 
-    b = sub.add_parser("bench", help="decode speed vs the bandwidth floor and transformers; speculative speedups")
+    b = sub.add_parser("bench", help="per-category acceptance and speedup of speculative methods, peers side by side")
     _add_model_args(b)
-    b.add_argument("--methods", default="ar", help="comma-separated: ar plus speculative methods, e.g. ar,draft")
-    b.add_argument("--num-draft-tokens", default="4", help="K for speculative methods: one value or a list, e.g. 2,4,6,8")
+    b.add_argument("--methods", default=None,
+                   help="comma-separated: ar plus speculative methods (default: ar and every available one)")
+    b.add_argument("--num-draft-tokens", default="4", help="K for speculative methods: one value or a list, e.g. 2,4,6,8 "
+                                                          "(adaptive runs and auto use the largest as their maximum)")
+    b.add_argument("--adaptive", action="store_true",
+                   help="also run each fixed-K method with adaptive K (label METHOD:K<=max)")
+    b.add_argument("--min-draft-tokens", type=int, default=1, help="smallest K an adaptive round may use")
+    b.add_argument("--ngram-max", type=int, default=4, help="n-gram lookup: longest suffix tried first")
+    b.add_argument("--ngram-min", type=int, default=1, help="n-gram lookup: shortest suffix that may match")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    b.add_argument("--top-k", type=int, default=0, help="0 = off")
+    b.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
     b.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
     b.add_argument("--max-new-tokens", type=int, default=64)
-    b.add_argument("--limit", type=int, default=None, help="number of built-in prompts (default: all)")
-    b.add_argument("--peers", default="hf", choices=["hf", "none"], help="also time transformers (default: hf)")
-    b.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    b.add_argument("--json", dest="json_out", default=None, help="write the full report to this JSON file")
-    b.add_argument("--quick", action="store_true", help="2 prompts x 32 tokens")
+    b.add_argument("--prompts", default=None, help="JSONL prompt file: verispec {id, category, prompt}, Spec-Bench "
+                                                    "question.jsonl or SPEED-Bench (default: the built-in suite)")
+    b.add_argument("--categories", default=None, help="comma-separated categories to run (default: all)")
+    b.add_argument("--limit-per-category", type=int, default=None, help="at most N prompts per category")
+    b.add_argument("--limit", type=int, default=None, help="at most N prompts in all (categories interleaved)")
+    b.add_argument("--peers", default="hf", choices=["hf", "none"],
+                   help="also run transformers generate(): plain, assistant_model=, prompt_lookup_num_tokens= (default: hf)")
+    chat = b.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="apply the tokenizer's chat template (default: on when the tokenizer has one)")
+    chat.add_argument("--no-chat", dest="chat", action="store_false", help="feed prompts as raw text")
+    b.add_argument("--json", dest="json_out", default=None, help="write the report here (rewritten after every prompt)")
+    b.add_argument("--plot", default=None, help="write a PNG: speedup per category, per-position acceptance, tau")
+    b.add_argument("--quick", action="store_true", help="one prompt per category, 32 new tokens (a few minutes)")
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -44,114 +65,142 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+def _prompts(args):
+    from .prompts import builtin_suite, load_prompts, select
+
+    for flag, value in (("--limit-per-category", args.limit_per_category), ("--limit", args.limit)):
+        if value is not None and value < 1:
+            raise VerispecError(f"{flag} must be >= 1, got {value}")
+    prompts = load_prompts(args.prompts) if args.prompts else builtin_suite()
+    cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    per_cat = 1 if args.quick and args.limit_per_category is None else args.limit_per_category
+    return select(prompts, cats, per_cat)[: args.limit]
+
+
+def _spec_runs(args, llm) -> list[tuple]:
+    from .. import drafters
+
+    from ..config import SpecConfig
+
+    opts = dict(min_draft_tokens=args.min_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    ks = _int_list(args.num_draft_tokens, "--num-draft-tokens")
+    SpecConfig("check", max(ks), **opts)  # bad option values: a one-line error before anything loads
+    if args.methods is None:  # ar plus every speculative method whose drafter can be built here
+        names = []
+        for name, make in drafters.METHODS.items():
+            try:
+                make(llm, SpecConfig(name, max(ks), **opts))
+                names.append(name)
+            except VerispecError:
+                pass
+    else:
+        names = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in names if m != "ar" and m not in drafters.METHODS]
+        if unknown or "ar" not in names:
+            raise VerispecError(f"--methods must include ar and may add {', '.join(drafters.METHODS)}; "
+                                f"got {args.methods!r}")
+        names = [m for m in names if m != "ar"]
+    runs = []  # (label, SpecConfig): fixed K per value; adaptive (and self-adapting drafters) up to the largest
+    for name in names:
+        # building it loads the draft model now, not inside a timed run; errors surface here
+        adapts = getattr(drafters.METHODS[name](llm, SpecConfig(name, max(ks), **opts)), "adaptive", False)
+        if not adapts:
+            runs += [(f"{name}:K={k}", SpecConfig(name, k, **opts)) for k in ks]
+        if adapts or args.adaptive:
+            runs.append((f"{name}:K<={max(ks)}", SpecConfig(name, max(ks), adaptive=True, **opts)))
+    return runs
+
+
 def run_bench(args) -> int:
     from tqdm import tqdm
 
-    from .. import LLM, SamplingParams, drafters
-    from ..config import SpecConfig
+    from .. import LLM, SamplingParams
     from .hardware import environment, read_bandwidth_gbs
     from .peers import HFPeer
-    from .prompts import DECODE_PROMPTS
     from .report import markdown, summarize
+    from .runner import run_prompt, verify_cost_curve
 
     n_new = 32 if args.quick else args.max_new_tokens
     if n_new < 2:
         raise VerispecError("--max-new-tokens must be >= 2 for a decode benchmark")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m != "ar" and m not in drafters.METHODS]
-    if unknown or "ar" not in methods:
-        raise VerispecError(f"--methods must include ar and may add {', '.join(drafters.METHODS)}; got {args.methods!r}")
-    ks = _int_list(args.num_draft_tokens, "--num-draft-tokens")
-    spec_runs = [SpecConfig(m, k) for m in methods if m != "ar" for k in ks]
-    prompts = DECODE_PROMPTS[: (2 if args.quick else args.limit or len(DECODE_PROMPTS))]
-    if not prompts:
-        raise VerispecError("--limit must be >= 1")
+    _int_list(args.num_draft_tokens, "--num-draft-tokens")  # bad values: an error before anything loads
+    params = SamplingParams(max_new_tokens=n_new, ignore_eos=True, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    prompts = _prompts(args)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the long run, not after
+        raise VerispecError("--plot needs matplotlib: pip install 'verispec[bench]'")
     llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
               draft_quant=args.draft_quant)
     if not llm.codec.has_tokenizer:
         raise VerispecError("the benchmark needs a model with a tokenizer")
-    if spec_runs:  # build one drafter now so the draft model loads here, not inside a timed run
-        drafters.METHODS[spec_runs[0].method](llm)
-    params = SamplingParams(max_new_tokens=n_new, ignore_eos=True, temperature=args.temperature, seed=args.seed)
+    spec_runs = _spec_runs(args, llm)
+    has_template = bool(getattr(llm.codec.tok, "chat_template", None))
+    if args.chat and not has_template:
+        raise VerispecError(f"--chat: {args.target} has no chat template")
+    chat = has_template if args.chat is None else args.chat
+    context = llm.target.config.max_position_embeddings
+    encoded = [llm.codec.encode(p.text, chat=chat) for p in prompts]
+    fits = [(p, ids) for p, ids in zip(prompts, encoded) if len(ids) + n_new <= context]
+    if not fits:
+        raise VerispecError(f"no prompt fits the target's context ({context} tokens) with {n_new} new tokens")
+    if len(fits) < len(prompts):
+        skipped = sorted({p.id for p in prompts} - {p.id for p, _ in fits})
+        print(f"verispec: skipping {len(skipped)} prompt(s) longer than the context ({context} tokens) with "
+              f"{n_new} new tokens: {', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}", file=sys.stderr)
+    prompts, encoded = [p for p, _ in fits], [ids for _, ids in fits]
     masked = [] if llm.logit_mask is None else llm.logit_mask.nonzero().flatten().tolist()
-    peer = HFPeer(args.target, llm.dtype, llm.device, masked) if args.peers == "hf" else None
-    chat = not args.no_chat and bool(getattr(llm.codec.tok, "chat_template", None))
+    peer = None
+    if args.peers == "hf":
+        draft_src = llm.draft.source if llm.draft is not None else None
+        peer = HFPeer(args.target, llm.dtype, llm.device, masked, draft=draft_src)
 
     bandwidths = [read_bandwidth_gbs(device=llm.device)]  # measured again at the end: the best is the floor
-    encoded = [llm.codec.encode(p.text, chat=chat) for p in prompts]
+    curve = verify_cost_curve(llm)
     warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
     llm.generate(encoded[0], warm)
-    for spec in spec_runs:
-        llm.generate(encoded[0], warm, method=spec.method, num_draft_tokens=spec.num_draft_tokens)
-    if peer:
-        peer.greedy(encoded[0], 4)
+    for _, spec in spec_runs:
+        llm.generate(encoded[0], warm, **dataclasses.asdict(spec))
+    for mode in peer.modes if peer else ():
+        peer.generate(encoded[0], 4, mode)
 
-    runs = []
-    for p, ids in tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", file=sys.stderr):
-        ar = llm.generate(ids, params)
-        runs.append(_run_record(p, ids, "ar", None, ar.stats, ar.token_ids, ar.token_ids))
-        if peer:
-            _, prefill = peer.greedy(ids, 1)
-            hf_ids, wall = peer.greedy(ids, n_new)
-            runs[-1].update(hf_ms_per_token=1e3 * (wall - prefill) / (n_new - 1), hf_tokens_per_s=n_new / wall,
-                            hf_prefill_s=prefill, hf_identical_prefix_tokens=_common_prefix(ar.token_ids, hf_ids))
-        for spec in spec_runs:
-            out = llm.generate(ids, params, method=spec.method, num_draft_tokens=spec.num_draft_tokens)
-            rec = _run_record(p, ids, spec.method, spec.num_draft_tokens, out.stats, out.token_ids, ar.token_ids)
-            rec["speedup"] = ar.stats["wall_s"] / out.stats["wall_s"]
-            runs.append(rec)
-    curve = verify_cost_curve(llm)
-    bandwidths.append(read_bandwidth_gbs(device=llm.device))
-    weight_bytes = llm.target.config.weight_bytes(llm.dtype.itemsize)
     report = {
         "command": "verispec " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "verispec" else None,
         "target": args.target, "draft": llm.draft.source if llm.draft else None, "dtype": args.dtype,
-        "draft_quant": args.draft_quant,
-        "device": llm.device, "max_new_tokens": n_new, "temperature": args.temperature, "chat": chat,
-        "environment": environment(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": runs,
-        "summary": summarize(runs, weight_bytes, bandwidths, curve, greedy=params.greedy),
+        "draft_quant": args.draft_quant, "device": llm.device, "max_new_tokens": n_new,
+        "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": chat,
+        "prompts": args.prompts or "built-in suite", "num_prompts": len(prompts),
+        "environment": environment(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False,
+        "runs": [], "peer_runs": [],
     }
-    print(markdown(report))
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
-    return 0
+    weight_bytes = llm.target.config.weight_bytes(llm.dtype.itemsize)
 
+    def finish(final: bool) -> None:
+        if not report["runs"]:
+            return
+        report["summary"], report["peers"] = summarize(report["runs"], report["peer_runs"], weight_bytes, bandwidths,
+                                                       curve, greedy=params.greedy)
+        if args.json_out:  # atomic rewrite: an interrupt never leaves half a file
+            tmp = Path(args.json_out + ".tmp")
+            tmp.write_text(json.dumps(report, indent=2))
+            os.replace(tmp, args.json_out)
+        if final and args.plot:
+            from .plot import plot_report
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            plot_report(report, args.plot)
 
-
-def _run_record(prompt, ids, method, k, stats: dict, tokens: list[int], ar_tokens: list[int]) -> dict:
-    keys = ("new_tokens", "wall_s", "tokens_per_s", "prefill_s", "target_s", "target_forwards",
-            "mean_accepted_length", "decode_ms_per_token", "draft_s", "drafted_tokens", "accepted_tokens",
-            "acceptance_rate", "per_position_acceptance", "per_position_reached")
-    rec = {"method": method, "num_draft_tokens": k, "category": prompt.category, "prompt_id": prompt.id,
-           "prompt_tokens": len(ids), **{key: stats[key] for key in keys if key in stats}}
-    rec["identical_to_ar"] = tokens == ar_tokens
-    return rec
-
-
-def verify_cost_curve(llm, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: int = 8) -> dict[int, float]:
-    """ms of one target forward over T new tokens (warm cache of ``context`` tokens), for each T."""
-    import torch
-
-    from ..models.kv_cache import KVCache
-
-    model, cfg = llm.target.model, llm.target.config
-    cache = KVCache.for_model(cfg, 1, context + max(sizes), llm.dtype, llm.device)
-    ids = torch.randint(0, cfg.vocab_size, (1, context + max(sizes)), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(llm.device)
-    model(ids[:, :context], torch.arange(context, device=llm.device)[None], cache, num_logits=1)
-    out = {}
-    for T in sizes:
-        pos = torch.arange(context, context + T, device=llm.device)[None]
-        times = []
-        for _ in range(repeats + 2):
-            cache.truncate(context)
-            t0 = time.perf_counter()
-            model(ids[:, context:context + T], pos, cache)
-            if llm.device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        out[T] = 1e3 * statistics.median(times[2:])
-    return out
+    try:
+        for p, ids in tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", file=sys.stderr):
+            runs, peer_runs = run_prompt(llm, p, ids, params, spec_runs, peer)
+            report["runs"] += runs
+            report["peer_runs"] += peer_runs
+            finish(final=False)
+    except KeyboardInterrupt:
+        print(f"verispec: interrupted after {len({r['prompt_id'] for r in report['runs']})} of {len(prompts)} "
+              "prompts; reporting those", file=sys.stderr)
+    else:
+        report["complete"] = True
+        bandwidths.append(read_bandwidth_gbs(device=llm.device))
+    finish(final=True)
+    if report["runs"]:
+        print(markdown(report))
+    return 0 if report["complete"] else 130

@@ -1,19 +1,24 @@
-"""Benchmark summaries (medians per category and overall) and the Markdown report."""
+"""Benchmark summaries (medians per category and overall, predicted beside measured) and the Markdown report."""
 
 from __future__ import annotations
 
 import statistics
 
+from ..costmodel import predict_speedup
 
-def label(run: dict) -> str:
-    return run["method"] if run["num_draft_tokens"] is None else f"{run['method']}:K={run['num_draft_tokens']}"
+# transformers' mode -> our method doing the same thing (compared at its best K)
+PEER_COUNTERPART = {"hf": "ar", "hf-assistant": "draft", "hf-lookup": "ngram"}
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
 
 
 def _spread(values: list[float]) -> list[float]:
     return [min(values), max(values)]
 
 
-def _method_stats(rs: list[dict], ar_by_prompt: dict[str, dict]) -> dict:
+def _method_stats(rs: list[dict], ar_by_prompt: dict[str, dict], curve_ratio: dict[int, float]) -> dict:
     """Aggregate the runs of one method (one K) over some prompts."""
     med = lambda key: statistics.median(r[key] for r in rs)  # noqa: E731
     out = {"prompts": len(rs), "tokens_per_s": med("tokens_per_s"), "tau": med("mean_accepted_length"),
@@ -35,15 +40,19 @@ def _method_stats(rs: list[dict], ar_by_prompt: dict[str, dict]) -> dict:
     for a, n in zip(accepted, reached):
         run *= a / n if n else 0.0
         joint.append(run)
+    per_position = [a / n if n else None for a, n in zip(accepted, reached)]
+    c = statistics.median(costs) if costs else 0.0  # no draft time at all: a free drafter
     return {**out, "speedup": statistics.median(speedups), "speedup_spread": _spread(speedups),
             "alpha": sum(r["accepted_tokens"] for r in rs) / drafted if drafted else 0.0,
-            "per_position_acceptance": [a / n if n else None for a, n in zip(accepted, reached)],
+            "per_position_acceptance": per_position,
             "per_position_joint": joint,  # P(all of the first i+1 drafts accepted)
-            "cost_ratio_c": statistics.median(costs) if costs else None}
+            "cost_ratio_c": c,  # the model assumes a fixed K: no prediction for adaptive runs
+            "predicted_speedup": None if rs[0].get("adaptive") else predict_speedup(per_position, c, curve_ratio)}
 
 
-def summarize(runs: list[dict], weight_bytes: int, bandwidths: list[float], curve: dict[int, float],
-              greedy: bool) -> dict:
+def summarize(runs: list[dict], peer_runs: list[dict], weight_bytes: int, bandwidths: list[float],
+              curve: dict[int, float], greedy: bool) -> tuple[dict, dict]:
+    """-> (summary {decode, overall, by_category, greedy}, peers {PEER: {...}})."""
     ar = [r for r in runs if r["method"] == "ar"]
     ar_by_prompt = {r["prompt_id"]: r for r in ar}
     ours_ms = statistics.median(r["decode_ms_per_token"] for r in ar)
@@ -58,12 +67,47 @@ def summarize(runs: list[dict], weight_bytes: int, bandwidths: list[float], curv
         decode.update(hf_ms_per_token=statistics.median(hf_ms), hf_spread_ms=_spread(hf_ms),
                       speedup_vs_hf=statistics.median(hf_ms) / ours_ms,
                       outputs_identical=sum(r["hf_identical_prefix_tokens"] == r["new_tokens"] for r in ar))
-    labels = list(dict.fromkeys(label(r) for r in runs))
+    ratio = decode["verify_cost_ratio"]
+    labels = list(dict.fromkeys(r["label"] for r in runs))
     categories = list(dict.fromkeys(r["category"] for r in runs))
-    overall = {lb: _method_stats([r for r in runs if label(r) == lb], ar_by_prompt) for lb in labels}
-    by_category = {c: {lb: _method_stats([r for r in runs if label(r) == lb and r["category"] == c], ar_by_prompt)
-                       for lb in labels} for c in categories}
-    return {"decode": decode, "overall": overall, "by_category": by_category, "greedy": greedy}
+    overall = {lb: _method_stats([r for r in runs if r["label"] == lb], ar_by_prompt, ratio) for lb in labels}
+    by_category = {c: {lb: _method_stats([r for r in runs if r["label"] == lb and r["category"] == c], ar_by_prompt,
+                                         ratio) for lb in labels} for c in categories}
+    summary = {"decode": decode, "overall": overall, "by_category": by_category, "greedy": greedy}
+    return summary, _peer_stats(runs, peer_runs, overall, categories)
+
+
+def _peer_stats(runs: list[dict], peer_runs: list[dict], overall: dict, categories: list[str]) -> dict:
+    """Each transformers mode: tokens/s, its speedup over transformers' plain generate (same prompt), and
+    ours/theirs = tokens/s of our counterpart method (its best K overall) / theirs, same prompt."""
+    ours = {(r["label"], r["prompt_id"]): r for r in runs}
+    plain = {r["prompt_id"]: r for r in peer_runs if r["peer"] == "hf"}
+
+    def stats(rs: list[dict], mine: str | None) -> dict:
+        out = {"prompts": len(rs), "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+               "speedup": statistics.median(plain[r["prompt_id"]]["wall_s"] / r["wall_s"] for r in rs),
+               "counterpart": mine, "ours_vs_theirs": None}
+        pairs = [(ours[mine, r["prompt_id"]], r) for r in rs if (mine, r["prompt_id"]) in ours]
+        if pairs:
+            out["ours_vs_theirs"] = statistics.median(o["tokens_per_s"] / t["tokens_per_s"] for o, t in pairs)
+        if rs[0]["identical_to_ar"] is not None:
+            out["identical_to_ar"] = sum(r["identical_to_ar"] for r in rs)
+        return out
+
+    peers = {}
+    for mode in dict.fromkeys(r["peer"] for r in peer_runs):
+        method = PEER_COUNTERPART.get(mode)
+        candidates = [lb for lb in overall if overall[lb].get("prompts") and runs_method(runs, lb) == method]
+        mine = max(candidates, key=lambda lb: overall[lb]["speedup"]) if candidates else None
+        rs = [r for r in peer_runs if r["peer"] == mode]
+        peers[mode] = {**stats(rs, mine), "by_category": {
+            c: stats([r for r in rs if r["category"] == c], mine) for c in categories
+            if any(r["category"] == c for r in rs)}}
+    return peers
+
+
+def runs_method(runs: list[dict], lb: str) -> str:
+    return next(r["method"] for r in runs if r["label"] == lb)
 
 
 def markdown(r: dict) -> str:
@@ -97,19 +141,35 @@ def markdown(r: dict) -> str:
     spec = [lb for lb in s["overall"] if lb != "ar"]
     if spec:
         lines += ["", "Speculative methods (speedup = our AR wall time / method wall time, same prompt, same run; "
-                      "medians; c = draft cost per drafted token / AR target cost per token):", "",
-                  "| category | method | speedup (spread) | tau | alpha | per-position acceptance | c | tok/s | "
-                  + ("identical to AR |" if s["greedy"] else "prompts |"),
-                  "|---|---|---|---|---|---|---|---|---|"]
+                      "medians; predicted = from the measured per-position acceptance, c and verify-cost curve; "
+                      "c = draft cost per drafted token / AR target cost per token; acceptance: conditional "
+                      "per position, then joint P(first i accepted)):", "",
+                  "| category | method | speedup (spread) | predicted | tau | alpha | per-position acceptance | "
+                  "joint | c | tok/s | " + ("identical to AR |" if s["greedy"] else "prompts |"),
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        rates = lambda xs: " ".join("-" if a is None else f"{a:.2f}" for a in xs)  # noqa: E731
         for cat, table in [*s["by_category"].items(), ("overall", s["overall"])]:
             for lb in spec:
                 m = table[lb]
-                pos = " ".join("-" if a is None else f"{a:.2f}" for a in m["per_position_acceptance"])
                 last = f"{m['identical_to_ar']}/{m['prompts']}" if s["greedy"] else str(m["prompts"])
                 lines.append(f"| {cat} | {lb} | {m['speedup']:.2f}x ({m['speedup_spread'][0]:.2f}-"
-                             f"{m['speedup_spread'][1]:.2f}) | {m['tau']:.2f} | {m['alpha']:.2f} | {pos} | "
-                             f"{m['cost_ratio_c']:.2f} | {m['tokens_per_s']:.1f} | {last} |")
+                             f"{m['speedup_spread'][1]:.2f}) | {_x(m['predicted_speedup'])} | {m['tau']:.2f} | "
+                             f"{m['alpha']:.2f} | {rates(m['per_position_acceptance'])} | "
+                             f"{rates(m['per_position_joint'])} | {m['cost_ratio_c']:.2f} | "
+                             f"{m['tokens_per_s']:.1f} | {last} |")
         for cat, table in [*s["by_category"].items(), ("overall", s["overall"])]:
             best = max(spec, key=lambda lb: table[lb]["speedup"])
             lines.append(f"- best in {cat}: {best} at {table[best]['speedup']:.2f}x")
+    if r.get("peers"):
+        lines += ["", "transformers generate() on the same checkpoints, dtype and prompts (speedup = its plain "
+                      "generate wall time / this mode's, same prompt; ours/theirs = tokens/s of our counterpart "
+                      "method at its best K / theirs, same prompt; medians):", "",
+                  "| peer | category | tok/s | speedup | ours | ours/theirs | identical to our AR |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, peer in r["peers"].items():
+            for cat, m in [*peer["by_category"].items(), ("overall", peer)]:
+                vs = "-" if m["ours_vs_theirs"] is None else f"{m['ours_vs_theirs']:.2f}x"
+                same = f"{m['identical_to_ar']}/{m['prompts']}" if "identical_to_ar" in m else "-"
+                lines.append(f"| {name} | {cat} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
+                             f"{m['counterpart'] or '-'} | {vs} | {same} |")
     return "\n".join(lines)

@@ -1,14 +1,31 @@
 """Drafters: one small file each, all behind the protocol in base.py.
 
-METHODS maps a method name to a factory ``(llm) -> Drafter``; adding a drafter is adding a file and
+METHODS maps a method name to a factory ``(llm, spec) -> Drafter``; adding a drafter is adding a file and
 one entry here, never a branch in the decoding loop.
 """
 
+from ..errors import VerispecError
+from .auto import AutoDrafter
 from .base import Draft, Drafter, DraftRequest
 from .draft_model import DraftModelDrafter
+from .ngram import NgramDrafter, NgramIndex
+
+
+def _auto(llm, spec) -> AutoDrafter:
+    """Every drafter that can run here, cheapest first (n-gram; the draft model when there is one)."""
+    candidates = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
+    try:
+        candidates["draft"] = DraftModelDrafter(llm.draft_model().model)
+    except VerispecError:
+        pass  # no draft model for this target: n-gram lookup alone
+    return AutoDrafter(candidates, spec.min_draft_tokens, spec.num_draft_tokens)
+
 
 METHODS = {
-    "draft": lambda llm: DraftModelDrafter(llm.draft_model().model),
+    "draft": lambda llm, spec: DraftModelDrafter(llm.draft_model().model),
+    "ngram": lambda llm, spec: NgramDrafter(spec.ngram_min, spec.ngram_max),
+    "auto": _auto,
 }
 
-__all__ = ["Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "METHODS"]
+__all__ = ["AutoDrafter", "Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "METHODS", "NgramDrafter",
+           "NgramIndex"]

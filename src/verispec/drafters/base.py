@@ -18,7 +18,8 @@ from ..config import SamplingParams
 class Draft:
     """K proposed tokens and the distribution each was drawn from.
 
-    tokens: [B, K] int64.
+    tokens: [B, K] int64, K <= the requested number (a drafter may propose fewer, even none: the round
+        is then a plain target step).
     draft_probs: [B, K, V] float32 — q, after the same temperature/top-k/top-p transform as the
         target's p — or None for a deterministic draft (n-gram, argmax heads, greedy), which the
         verifier treats as one-hot q.
@@ -26,6 +27,7 @@ class Draft:
 
     tokens: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    source: str | None = None  # which drafter made it, when one drafter delegates to others (auto)
 
 
 @dataclass
@@ -39,6 +41,7 @@ class DraftRequest:
     capacity: int  # the most tokens the context will ever hold (prompt + max_new_tokens + K + 1)
     vocab_size: int  # the target's vocabulary rows: draft_probs must be [B, K, vocab_size]
     logit_mask: torch.Tensor | None  # [vocab_size] bool, True = never propose (padding rows)
+    device: torch.device | str = "cpu"  # where the target runs: Draft tensors go here
 
 
 class Drafter(Protocol):

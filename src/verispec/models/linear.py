@@ -4,8 +4,9 @@
   F.linear on a plain bf16 weight re-lays the weight out on every call, so a decode step reads each
   weight byte about three times; packing makes a step ~2x faster here. In bf16 the output is bitwise
   F.linear's; in float32 it differs by summation order (~1e-6 relative).
-- int8 (drafts only, single-row calls): per-output-channel symmetric int8 weights, the activation row
-  quantized per call (asymmetric uint8), oneDNN's VNNI kernel. Half the weight bytes of bf16. The
+- int8 (drafts only, calls of up to INT8_MAX_ROWS rows: draft steps and their catch-ups): per-output-channel
+  symmetric int8 weights, the activation rows quantized per call (asymmetric uint8, one scale), oneDNN's
+  VNNI kernel. Half the weight bytes of bf16. The
   outputs differ from the float ones by ~1% (relative), which for a draft model costs a little
   acceptance and nothing in exactness: the verifier uses whatever q the draft reports.
 """
@@ -27,6 +28,7 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 _INT8_OK: bool | None = None
+INT8_MAX_ROWS = 2  # a draft step (1 row) or its catch-up after a fully accepted round (2 rows)
 
 
 def can_quantize(device) -> bool:
@@ -61,7 +63,7 @@ class Linear(nn.Linear):
         self._drop_plain_weight()
 
     def quantize_int8(self) -> None:
-        """Add an int8 copy used for single-row calls (decode steps); multi-row calls (prefill, catch-up)
+        """Add an int8 copy used for calls of up to INT8_MAX_ROWS rows (draft steps); longer calls (prefill)
         keep the float path, where one activation scale over many rows would cost precision."""
         w = self.dense_weight().detach().float()  # [out, in]
         self.q8_scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
@@ -80,7 +82,7 @@ class Linear(nn.Linear):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q8 is not None and x.numel() == x.shape[-1]:  # one row: per-tensor = per-token scale
+        if self.q8 is not None and x.numel() <= INT8_MAX_ROWS * x.shape[-1]:
             qx, scale, zero = _quantize_activations(x.reshape(-1, x.shape[-1]).float())
             y = torch.ops.onednn.qlinear_pointwise(qx, scale, zero, self.q8, self.q8_scale, self.q8_zero,
                                                    self.q8_bias, 1.0, 0, x.dtype, "none", [], "")

@@ -1,0 +1,78 @@
+"""One benchmark prompt: every method and peer on it, interleaved, as JSON-ready run records."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+
+from ..config import SamplingParams, SpecConfig
+
+
+def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: list[tuple[str, SpecConfig]],
+               peer=None) -> tuple[list[dict], list[dict]]:
+    """Our AR (the baseline), the peer's modes, then every speculative method/K on one prompt.
+
+    Returns (our run records, peer run records). Speedup = our AR wall / method wall, same prompt.
+    """
+    ar = llm.generate(ids, params)
+    runs = [_record(prompt, ids, "ar", "ar", None, ar.stats, True)]
+    peer_runs = []
+    if peer:
+        n_new = params.max_new_tokens
+        if params.greedy:  # decode-only time of transformers' plain generate, for the decode table
+            _, prefill = peer.generate(ids, 1, "hf", params)
+        for mode in peer.modes:
+            tokens, wall = peer.generate(ids, n_new, mode, params)
+            peer_runs.append({"peer": mode, "category": prompt.category, "prompt_id": prompt.id,
+                              "new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": len(tokens) / wall,
+                              "identical_to_ar": tokens == ar.token_ids if params.greedy else None})
+            if mode == "hf" and params.greedy:
+                runs[0].update(hf_ms_per_token=1e3 * (wall - prefill) / (n_new - 1), hf_tokens_per_s=n_new / wall,
+                               hf_prefill_s=prefill, hf_identical_prefix_tokens=_common_prefix(ar.token_ids, tokens))
+    for name, spec in spec_runs:
+        out = llm.generate(ids, params, **dataclasses.asdict(spec))
+        rec = _record(prompt, ids, name, spec.method, spec.num_draft_tokens, out.stats, out.token_ids == ar.token_ids)
+        rec["speedup"] = ar.stats["wall_s"] / out.stats["wall_s"]
+        rec["adaptive"] = spec.adaptive
+        runs.append(rec)
+    return runs, peer_runs
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _record(prompt, ids, name: str, method: str, k: int | None, stats: dict, identical: bool) -> dict:
+    keys = ("new_tokens", "wall_s", "tokens_per_s", "prefill_s", "target_s", "target_forwards",
+            "mean_accepted_length", "decode_ms_per_token", "draft_s", "drafted_tokens", "accepted_tokens",
+            "acceptance_rate", "per_position_acceptance", "per_position_reached", "drafter_rounds")
+    return {"label": name, "method": method, "num_draft_tokens": k, "category": prompt.category,
+            "prompt_id": prompt.id, "prompt_tokens": len(ids), "acceptance_rate": None, "per_position_acceptance": [],
+            **{key: stats[key] for key in keys if key in stats}, "identical_to_ar": identical}
+
+
+def verify_cost_curve(llm, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: int = 8) -> dict[int, float]:
+    """ms of one target forward over T new tokens (warm cache of ``context`` tokens), for each T."""
+    import torch
+
+    from ..models.kv_cache import KVCache
+
+    model, cfg = llm.target.model, llm.target.config
+    cache = KVCache.for_model(cfg, 1, context + max(sizes), llm.dtype, llm.device)
+    ids = torch.randint(0, cfg.vocab_size, (1, context + max(sizes)), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(llm.device)
+    model(ids[:, :context], torch.arange(context, device=llm.device)[None], cache, num_logits=1)
+    out = {}
+    for T in sizes:
+        pos = torch.arange(context, context + T, device=llm.device)[None]
+        times = []
+        for _ in range(repeats + 2):
+            cache.truncate(context)
+            t0 = time.perf_counter()
+            model(ids[:, context:context + T], pos, cache)
+            if llm.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        out[T] = 1e3 * statistics.median(times[2:])
+    return out
