@@ -110,6 +110,26 @@ def runs_method(runs: list[dict], lb: str) -> str:
     return next(r["method"] for r in runs if r["label"] == lb)
 
 
+def _matrix(r: dict) -> list[str]:
+    """At a glance: median speedup per category (rows) and method (columns); transformers' modes relative to
+    transformers' plain generate; tau in parentheses."""
+    s, peers = r["summary"], r.get("peers") or {}
+    spec = [lb for lb in s["overall"] if lb != "ar"]
+    modes = [m for m in peers if m != "hf"]
+    if not spec and not modes:
+        return []
+    head = [*spec, *(f"{m} (vs hf)" for m in modes)]
+    lines = ["Speedup over AR, median per category (tau):", "", "| category | prompts | " + " | ".join(head) + " |",
+             "|---|---|" + "---|" * len(head)]
+    for cat, table in [*s["by_category"].items(), ("**overall**", s["overall"])]:
+        cells = [f"{table[lb]['speedup']:.2f}x ({table[lb]['tau']:.2f})" for lb in spec]
+        for m in modes:
+            stats = peers[m] if cat == "**overall**" else peers[m]["by_category"].get(cat)
+            cells.append(f"{stats['speedup']:.2f}x" if stats else "-")
+        lines.append(f"| {cat} | {table['ar']['prompts']} | " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
 def markdown(r: dict) -> str:
     s, env = r["summary"], r["environment"]
     d = s["decode"]
@@ -118,6 +138,7 @@ def markdown(r: dict) -> str:
              + (f", draft {r['draft']} (weights: {r.get('draft_quant')})" if r.get("draft") else ""), ""]
     if r.get("command"):
         lines += [f"command: `{r['command']}`", ""]
+    lines += _matrix(r)
     lines += ["AR decode (ms/token, prefill excluded):", "",
               "| prompt | tokens in | ours | transformers | ours vs transformers | same tokens as transformers |",
               "|---|---|---|---|---|---|"]
