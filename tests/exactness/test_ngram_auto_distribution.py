@@ -20,22 +20,24 @@ import test_speculative_distribution as base
 from test_speculative_distribution import N, N_NEG, PROMPT, V, exact_joint, make_llm
 from verispec import SamplingParams
 
-CASES = {  # name: (method, draft model, K, SamplingParams fields)
-    "ngram-T1-K2": ("ngram", "near", 2, dict(temperature=1.0)),
-    "ngram-top_p0.8-K2": ("ngram", "near", 2, dict(temperature=1.0, top_p=0.8)),
-    "auto-T0.7-top_k5-K2": ("auto", "near", 2, dict(temperature=0.7, top_k=5)),
+CASES = {  # name: (method, draft model, K, SamplingParams fields, speculative options)
+    "ngram-T1-K2": ("ngram", "near", 2, dict(temperature=1.0), {}),
+    "ngram-top_p0.8-K2": ("ngram", "near", 2, dict(temperature=1.0, top_p=0.8), {}),
+    "auto-T0.7-top_k5-K2": ("auto", "near", 2, dict(temperature=0.7, top_k=5), {}),
+    "adaptive_draft-T1-K2": ("draft", "other", 2, dict(temperature=1.0), dict(adaptive=True)),
 }
 model_dirs, tables = base.model_dirs, base.tables  # the same fixtures: tiny models and their logit tables
-NEGATIVE = [("ngram-T1-K2", "always_accept"), ("auto-T0.7-top_k5-K2", "recover_from_p")]
+NEGATIVE = [("ngram-T1-K2", "always_accept"), ("auto-T0.7-top_k5-K2", "recover_from_p"),
+            ("adaptive_draft-T1-K2", "always_accept")]
 
 
-def draw(llm, method: str, K: int, params: SamplingParams, n: int, first_seed: int = 0):
+def draw(llm, method: str, K: int, params: SamplingParams, n: int, opts: dict, first_seed: int = 0):
     counts = np.zeros((V, V, V), dtype=np.int64)
     drafted = accepted = 0
     used: dict[str, int] = {}
     for seed in range(first_seed, first_seed + n):
         out = llm.generate(PROMPT, dataclasses.replace(params, max_new_tokens=K + 2, seed=seed), method=method,
-                           num_draft_tokens=K)
+                           num_draft_tokens=K, **opts)
         a, b, c = out.token_ids[:3]
         counts[a, b, c] += 1
         drafted += out.stats["drafted_tokens"]
@@ -47,14 +49,14 @@ def draw(llm, method: str, K: int, params: SamplingParams, n: int, first_seed: i
 
 @pytest.fixture(scope="module")
 def table_llms(model_dirs, tables):
-    return {d: make_llm(model_dirs, d, tables) for d in ("near",)}
+    return {d: make_llm(model_dirs, d, tables) for d in ("near", "other")}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_sampling_matches_exact_distribution(table_llms, tables, name):
-    method, draft, K, kw = CASES[name]
+    method, draft, K, kw, opts = CASES[name]
     params = SamplingParams(**kw)
-    counts, drafted_per_run, acceptance, used = draw(table_llms[draft], method, K, params, N)
+    counts, drafted_per_run, acceptance, used = draw(table_llms[draft], method, K, params, N, opts)
     assert drafted_per_run > 1.0, f"{name}: too few drafts ({drafted_per_run:.2f} per run) to test anything"
     assert 0.01 < acceptance < 0.98, f"{name}: acceptance {acceptance:.3f}"  # >= ~400 accepted drafts
     if method == "auto":
@@ -65,9 +67,9 @@ def test_sampling_matches_exact_distribution(table_llms, tables, name):
 
 @pytest.mark.parametrize("name,bug", NEGATIVE)
 def test_negative_control_broken_verifier_fails(table_llms, tables, monkeypatch, name, bug):
-    method, draft, K, kw = CASES[name]
+    method, draft, K, kw, opts = CASES[name]
     params = SamplingParams(**kw)
     monkeypatch.setattr(verispec.decoding, "verify", variant_verify(bug))
-    counts, *_ = draw(table_llms[draft], method, K, params, N_NEG)
+    counts, *_ = draw(table_llms[draft], method, K, params, N_NEG, opts)
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p < ALPHA, f"negative control {name}/{bug} not detected: p = {p:.3g}"

@@ -83,6 +83,3 @@ class HFPeer:
         if ids.is_cuda:
             torch.cuda.synchronize()
         return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
-
-    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], float]:
-        return self.generate(prompt_ids, max_new_tokens)
