@@ -30,8 +30,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    p.add_argument("--draft-quant", default="int8", choices=["int8", "none"],
-                   help="draft model matrices in int8 on CPU (default) or as loaded; exactness is unaffected")
+    p.add_argument("--draft-quant", default="int8", choices=["int8", "int4", "none"],
+                   help="draft model matrices in int8 (default) or 4-bit on CPU, or as loaded; exactness is unaffected")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:

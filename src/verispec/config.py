@@ -87,6 +87,9 @@ class SpecConfig:
         _check(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
 
 
+DRAFT_QUANT_BITS = {"int8": 8, "int4": 4}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Where and how the models run."""
@@ -94,10 +97,11 @@ class EngineConfig:
     dtype: str = "bfloat16"
     device: str | None = None  # None: cuda when available, else cpu
     threads: int | None = None  # None: torch's default
-    draft_quant: str | None = "int8"  # int8: the draft model's matrices in int8 (CPU); None: as loaded
+    draft_quant: str | None = "int8"  # int8 / int4: the draft model's matrices quantized (CPU); None: as loaded
 
     def __post_init__(self):
-        _check(self.draft_quant in (None, "none", "int8"), f"draft_quant must be int8 or none, got {self.draft_quant!r}")
+        _check(self.draft_quant in (None, "none", *DRAFT_QUANT_BITS),
+               f"draft_quant must be int8, int4 or none, got {self.draft_quant!r}")
         if self.draft_quant == "none":
             object.__setattr__(self, "draft_quant", None)
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

@@ -10,7 +10,7 @@ import torch
 
 from . import drafters
 from .adaptive import AdaptiveDrafter, DraftLengthController
-from .config import EngineConfig, SamplingParams, SpecConfig
+from .config import DRAFT_QUANT_BITS, EngineConfig, SamplingParams, SpecConfig
 from .decoding import DecodeContext, Stats, autoregressive, speculative
 from .errors import ConfigError, VerispecError
 from .models.kv_cache import KVCache
@@ -38,7 +38,8 @@ class LLM:
     ``target``/``draft``: a default model name (see ``verispec models list``), an HF directory
     (config.json + *.safetensors), or a .gguf file. With the default target, method "draft" loads the
     default draft model on first use if ``draft`` was not given. ``draft_quant="int8"`` (default) runs
-    the draft's matrices in int8 on CPU: cheaper drafting, exactly the same output distribution.
+    the draft's matrices in int8 on CPU (``"int4"``: 4-bit): cheaper drafting, exactly the same output
+    distribution.
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = None, dtype: str = "bfloat16",
@@ -65,8 +66,8 @@ class LLM:
                 raise VerispecError("this method needs a draft model: pass LLM(draft=...) or --draft")
             draft = load(self._draft_source, self.dtype, self.device, progress=self.progress)
             check_same_vocabulary(self.target, draft)
-            if self.engine_config.draft_quant == "int8":  # CPU only; elsewhere the draft stays as loaded
-                draft.model.quantize_weights()
+            if self.engine_config.draft_quant:  # CPU only; elsewhere the draft stays as loaded
+                draft.model.quantize_weights(DRAFT_QUANT_BITS[self.engine_config.draft_quant])
             self.draft = draft
         return self.draft
 

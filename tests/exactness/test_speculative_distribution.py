@@ -249,17 +249,18 @@ def test_speculative_sampling_matches_exact_distribution(table_llms, tables, nam
     assert p > ALPHA, f"{name}: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
 
 
-def test_int8_draft_matches_exact_distribution(model_dirs, tables):
-    """The CPU default: the draft's matrices in int8 (the real network and oneDNN's int8 kernels produce
-    q; only the target is table-backed). An approximate q must leave the output law exactly p."""
-    llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs["near"]), dtype="float32")
-    assert llm.draft.model.layers[0].mlp.down_proj.q8 is not None, "the draft did not run in int8"
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_quantized_draft_matches_exact_distribution(model_dirs, tables, quant):
+    """The CPU default: the draft's matrices in int8 (or 4-bit; the real network and verispec's kernels
+    produce q; only the target is table-backed). An approximate q must leave the output law exactly p."""
+    llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs["near"]), dtype="float32", draft_quant=quant)
+    assert llm.draft.model.layers[0].mlp.down_proj.qop is not None, "the draft did not run quantized"
     llm.target.model = TableModel(llm.target.model, tables["target"])
     params = SamplingParams(temperature=1.0)
     counts, acceptance = draw(llm, 2, params, N, first_seed=500_000)
     assert 0.3 < acceptance < 0.98, acceptance
     p = chi2_pvalue(counts, exact_joint(tables, params))
-    assert p > ALPHA, f"int8 draft: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
+    assert p > ALPHA, f"{quant} draft: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
 
 
 @pytest.mark.parametrize("name,bug", NEGATIVE)

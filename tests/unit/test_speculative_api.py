@@ -393,8 +393,8 @@ def test_cli_unknown_method(capsys, dirs):
 
 def test_bad_draft_quant(dirs, capsys):
     with pytest.raises(ConfigError, match="draft_quant"):
-        LLM(target=dirs["target"], draft=dirs["near"], dtype="float32", draft_quant="int4")
+        LLM(target=dirs["target"], draft=dirs["near"], dtype="float32", draft_quant="int3")
     rc = main(["generate", "Hi", "--target", dirs["target"], "--draft", dirs["near"], "--method", "draft",
-               "--draft-quant", "int4"])
+               "--draft-quant", "int3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("verispec: error:"), err

@@ -39,7 +39,7 @@ def environment() -> dict:
         pass
     import transformers
 
-    from .. import __version__
+    from .. import __version__, kernels
 
     return {
         "cpu": cpu,
@@ -48,6 +48,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "verispec": __version__,
+        "verispec_kernels": kernels.isa(),  # the C++ kernels' instruction sets, or "none" if not built
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }

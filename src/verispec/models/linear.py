@@ -4,20 +4,22 @@
   F.linear on a plain bf16 weight re-lays the weight out on every call, so a decode step reads each
   weight byte about three times; packing makes a step ~2x faster here. In bf16 the output is bitwise
   F.linear's; in float32 it differs by summation order (~1e-6 relative).
-- int8 (drafts only, calls of up to INT8_MAX_ROWS rows: draft steps and their catch-ups): per-output-channel
-  symmetric int8 weights, the activation rows quantized per call (asymmetric uint8, one scale), oneDNN's
-  VNNI kernel. Half the weight bytes of bf16. The
-  outputs differ from the float ones by ~1% (relative), which for a draft model costs a little
-  acceptance and nothing in exactness: the verifier uses whatever q the draft reports.
+- quantized (drafts only, calls of up to kernels.MAX_ROWS rows: draft steps, their catch-ups), with
+  verispec's own kernels (AVX512-VNNI), each activation row quantized to int8 with its own scale:
+  int8: per-output-row symmetric int8 weights (csrc/linear_int8.cpp), half the bytes of bf16;
+  int4: 4-bit groups of 32 with fp16 scale and min (Q4_1's scheme, csrc/linear_q4.cpp), 5/16 of bf16.
+  Outputs differ from the float ones by ~1% (int8) / ~8% (int4 weights) relative, which for a draft costs
+  a little acceptance and nothing in exactness: the verifier uses whatever q the draft reports. Longer
+  calls (the draft's prefill) keep the float path.
 """
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import kernels
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -27,50 +29,97 @@ def can_pack(weight: torch.Tensor) -> bool:
             and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
-_INT8_OK: bool | None = None
-INT8_MAX_ROWS = 2  # a draft step (1 row) or its catch-up after a fully accepted round (2 rows)
-
-
 def can_quantize(device) -> bool:
-    """Whether oneDNN's int8 linear runs here (probed once on a tiny matrix)."""
-    global _INT8_OK
+    """Whether the int8 kernel runs here: CPU, with verispec's C++ kernels built."""
     if torch.device(device).type != "cpu":
         return False
-    if _INT8_OK is None:
-        try:
-            probe = Linear(32, 16, bias=True)
-            probe.quantize_int8()
-            _INT8_OK = bool(torch.isfinite(probe(torch.randn(1, 32))).all())  # one row: the int8 path
-        except (RuntimeError, AttributeError, NotImplementedError):
-            _INT8_OK = False
-    return _INT8_OK
+    if not kernels.available():
+        kernels.warn_missing("draft models run in bf16 instead of int8")
+        return False
+    return True
 
 
-def _quantize_activations(x2: torch.Tensor):
-    """[M, K] float -> (uint8 [M, K], scale, zero point): one asymmetric scale for the whole tensor."""
-    with warnings.catch_warnings():  # quantized tensor *types* are deprecated; we only borrow the kernel
-        warnings.simplefilter("ignore")
-        q = torch.quantize_per_tensor_dynamic(x2, torch.quint8, False)
-    return q.int_repr(), q.q_scale(), q.q_zero_point()
+INT8_TILE_ROWS, INT8_CHUNK = 4, 64  # NR and KC in csrc/linear_int8.cpp
+
+
+def pack_int8(w: torch.Tensor):
+    """[N, K] float weight -> (packed int8 [N/4, K/64, 4, 64], scale [N'], row sums [N']) for the kernel.
+
+    Symmetric per output row: q = round(w / scale), scale = max|w| / 127; N and K are zero-padded.
+    """
+    w = w.detach().float()
+    N, K = w.shape
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    Np, Kp = -(-N // INT8_TILE_ROWS) * INT8_TILE_ROWS, -(-K // INT8_CHUNK) * INT8_CHUNK
+    qp = torch.zeros(Np, Kp, dtype=torch.int8)
+    qp[:N, :K] = q
+    sp = torch.zeros(Np)
+    sp[:N] = scale
+    packed = qp.view(Np // INT8_TILE_ROWS, INT8_TILE_ROWS, Kp // INT8_CHUNK, INT8_CHUNK).permute(0, 2, 1, 3)
+    return packed.contiguous(), sp, qp.sum(dim=1, dtype=torch.int32)
+
+
+Q4_GROUP = 32  # GS in csrc/linear_q4.cpp
+
+
+def pack_q4(w: torch.Tensor):
+    """[N, K] float weight -> (packed uint8 [N/4, K/64, 2, 64], d fp16 [N/4, K/64, 4, 2], m fp16 (same)).
+
+    Asymmetric 4-bit per group of 32 along K (the Q4_1 scheme): w ~ d * q + m, q in 0..15, with d and m
+    rounded to fp16 first so that q is chosen against the values the kernel will use. Zero padding.
+    """
+    w = w.detach().float()
+    N, K = w.shape
+    Np, Kp = -(-N // INT8_TILE_ROWS) * INT8_TILE_ROWS, -(-K // INT8_CHUNK) * INT8_CHUNK
+    wp = torch.zeros(Np, Kp)
+    wp[:N, :K] = w
+    g = wp.view(Np, Kp // Q4_GROUP, Q4_GROUP)  # [Np, G, 32]
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [Np, G]
+    d = ((hi - lo) / 15).half()
+    m = lo.half()
+    dq = torch.where(d.float() > 0, d.float(), torch.ones_like(lo))
+    q = torch.round((g - m.float()[..., None]) / dq[..., None]).clamp(0, 15).to(torch.uint8)  # [Np, G, 32]
+    tiles = Np // INT8_TILE_ROWS
+    q = q.view(tiles, 2, 2, Kp // INT8_CHUNK, INT8_CHUNK)  # [tile, pair, row in pair, chunk, k]
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).transpose(1, 2).contiguous()  # [N/4, K/64, 2, 64]
+
+    def tiled(t):  # [Np, K/64, ...] -> [N/4, K/64, 4, ...]
+        return t.view(tiles, INT8_TILE_ROWS, *t.shape[1:]).transpose(1, 2).contiguous()
+
+    return nibbles, tiled(d.view(Np, Kp // INT8_CHUNK, 2)), tiled(m.view(Np, Kp // INT8_CHUNK, 2))
+
+
+def dequantize_q4(packed, d, m, n: int, k: int) -> torch.Tensor:
+    """The float weight [n, k] a pack_q4 result stands for (tests and references)."""
+    tiles, chunks = packed.shape[:2]
+    q = torch.stack((packed & 15, packed >> 4), dim=3).float()  # [N/4, K/64, pair, row in pair, 64]
+    q = q.reshape(tiles, chunks, INT8_TILE_ROWS, 2, Q4_GROUP)  # [N/4, K/64, 4 rows, 2 groups, 32]
+    w = q * d.float()[..., None] + m.float()[..., None]
+    return w.permute(0, 2, 1, 3, 4).reshape(tiles * INT8_TILE_ROWS, chunks * INT8_CHUNK)[:n, :k]
+
+
+QUANT_BITS = {8: (pack_int8, "linear_int8"), 4: (pack_q4, "linear_q4")}  # bits -> (packer, kernel op)
 
 
 class Linear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN blocked-layout weight
-    q8: torch.Tensor | None = None  # oneDNN-prepacked int8 weight
+    qop = None  # torch.ops.verispec.linear_int8 / linear_q4 when the matrix is quantized
+    qweights: tuple = ()  # the op's packed weight tensors (see pack_int8 / pack_q4)
+    qbias: torch.Tensor | None = None  # float32 bias for the op
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
         self._drop_plain_weight()
 
-    def quantize_int8(self) -> None:
-        """Add an int8 copy used for calls of up to INT8_MAX_ROWS rows (draft steps); longer calls (prefill)
-        keep the float path, where one activation scale over many rows would cost precision."""
-        w = self.dense_weight().detach().float()  # [out, in]
-        self.q8_scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
-        q = torch.round(w / self.q8_scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.q8 = torch.ops.onednn.qlinear_prepack(q, [1, w.shape[1]])
-        self.q8_zero = torch.zeros(w.shape[0], dtype=torch.long)
-        self.q8_bias = None if self.bias is None else self.bias.detach().float()
+    def quantize(self, bits: int) -> None:
+        """Add an int8 (bits=8) or 4-bit (bits=4) copy used for calls of up to kernels.MAX_ROWS rows
+        (draft steps); longer calls (prefill) keep the float path."""
+        if bits not in QUANT_BITS:
+            raise ValueError(f"bits must be one of {sorted(QUANT_BITS)}, got {bits}")
+        pack, op = QUANT_BITS[bits]
+        self.qweights, self.qop = pack(self.dense_weight()), getattr(kernels.ops, op)
+        self.qbias = None if self.bias is None else self.bias.detach().float()
 
     def _drop_plain_weight(self) -> None:
         if not getattr(self, "shared_weight", False):  # tied embeddings keep theirs
@@ -82,11 +131,8 @@ class Linear(nn.Linear):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.q8 is not None and x.numel() <= INT8_MAX_ROWS * x.shape[-1]:
-            qx, scale, zero = _quantize_activations(x.reshape(-1, x.shape[-1]).float())
-            y = torch.ops.onednn.qlinear_pointwise(qx, scale, zero, self.q8, self.q8_scale, self.q8_zero,
-                                                   self.q8_bias, 1.0, 0, x.dtype, "none", [], "")
-            return y.reshape(*x.shape[:-1], y.shape[-1])
+        if self.qop is not None and x.numel() <= kernels.MAX_ROWS * x.shape[-1]:
+            return self.qop(x, *self.qweights, self.qbias, self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .linear import Linear, can_pack, can_quantize
@@ -135,10 +136,27 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self._fused = None  # weight list for forward_fused, built on first use
 
     def forward(self, x, cos, sin, cache, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x, cos, sin, cache: KVCache, window: int):
+        """The same layer in one C++ call (csrc/decoder_layer.cpp): one sequence, <= 16 new tokens,
+        quantized matrices, causal mask. x: [1, T, D]; cos, sin: [1, 1, T, hd] -> [1, T, D]."""
+        a, m = self.self_attn, self.mlp
+        if self._fused is None:
+            def lin(l):
+                return [*l.qweights, l.qbias]
+            norm = [None if n is None else n.weight.detach() for n in (a.q_norm, a.k_norm)]
+            self._fused = ([self.input_layernorm.weight.detach(), *lin(a.qkv_proj), *norm, *lin(a.o_proj),
+                            self.post_attention_layernorm.weight.detach(), *lin(m.gate_up_proj), *lin(m.down_proj)],
+                           [a.h, a.hkv, a.hd, m.inter], self.input_layernorm.eps)
+        weights, dims, eps = self._fused
+        y = kernels._C.decoder_layer_quantized(x[0], cos[0, 0], sin[0, 0], cache.k[a.layer, 0],
+                                               cache.v[a.layer, 0], cache.length, window, weights, dims, eps)
+        return y[None]
 
 
 class Transformer(nn.Module):
@@ -153,6 +171,7 @@ class Transformer(nn.Module):
             self.tie_weights()
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the RoPE frequencies.
         self.inv_freq = rope_inv_freq(cfg)  # [hd/2] float32
+        self.fused_quantized = False  # quantized matrices: short chunks of one sequence run each layer in one C++ call
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
@@ -167,13 +186,14 @@ class Transformer(nn.Module):
             m.pack()
         return True
 
-    def quantize_weights(self) -> bool:
-        """int8 weights for every matrix (drafts only: cheaper steps, slightly different q); whether it did."""
+    def quantize_weights(self, bits: int = 8) -> bool:
+        """int8 or 4-bit weights for every matrix (drafts only: cheaper steps, slightly different q); whether it did."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if not linears or not can_quantize(self.embed_tokens.weight.device):
             return False
         for m in linears:
-            m.quantize_int8()
+            m.quantize(bits)
+        self.fused_quantized = True
         return True
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
@@ -219,13 +239,17 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         start = cache.reserve(T)
+        fused = self.fused_quantized and mask is None and B == 1 and T <= kernels.MAX_ROWS and self.dtype == torch.bfloat16
         if mask is None:
             mask = self.default_mask(T, start, input_ids.device)
         x = self.embed_tokens(input_ids)  # [B, T, D]
         cos, sin = self.rope(positions, x.dtype)
         hidden = {0: x} if 0 in hidden_layers else {}
         for i, layer in enumerate(self.layers, start=1):
-            x = layer(x, cos, sin, cache, mask)
+            if fused:
+                x = layer.forward_fused(x, cos, sin, cache, self.config.sliding_window or 0)
+            else:
+                x = layer(x, cos, sin, cache, mask)
             if i in hidden_layers:
                 hidden[i] = x
         cache.advance(T)

@@ -1,0 +1,185 @@
+// One Llama/Qwen decoder layer for a few new tokens (T <= kMaxRows) of one sequence, quantized matrices
+// (int8 or 4-bit: linear_int8.cpp / linear_q4.cpp, told apart by the packed weight's dtype).
+//
+// The draft model's decode step is ~24 layers x ~35 small PyTorch ops; at ~10 ms per step the dispatch
+// of those ops was a quarter of the time. This runs the same layer in one call: the same order of
+// bf16 roundings as models/llama.py (RMSNorm in fp32 then scaled in bf16, RoPE and residual adds in
+// bf16, SiLU in fp32), the same kernels for the matrices, attention in fp32 (summation order
+// differs from the batched matmul there, ~1e-6 relative).
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace verispec {
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline float f(bf16 v) { return static_cast<float>(v); }
+inline bf16 b(float v) { return static_cast<bf16>(v); }  // round to nearest even
+
+// h[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps))   (rows of n values, in place allowed)
+void rms_norm(const bf16* x, const bf16* w, bf16* h, int64_t rows, int64_t n, float eps) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const bf16* xr = x + t * n;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; ++i) ss += f(xr[i]) * f(xr[i]);
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    bf16* hr = h + t * n;
+    for (int64_t i = 0; i < n; ++i) hr[i] = b(f(w[i]) * f(b(f(xr[i]) * r)));
+  }
+}
+
+// x[0:hd] <- x * cos + rotate_half(x) * sin, each product and the sum rounded to bf16 (as in llama.py)
+void rope(bf16* x, const bf16* c, const bf16* s, int64_t hd) {
+  const int64_t h2 = hd / 2;
+  for (int64_t i = 0; i < h2; ++i) {
+    const float x1 = f(x[i]), x2 = f(x[i + h2]);
+    x[i] = b(f(b(x1 * f(c[i]))) + f(b(-x2 * f(s[i]))));
+    x[i + h2] = b(f(b(x2 * f(c[i + h2]))) + f(b(x1 * f(s[i + h2]))));
+  }
+}
+
+inline float bits(uint16_t v) {  // bf16 bits -> float (exact)
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+// G query heads q [G, hd] against keys/values [lo, hi) of one KV head (rows of hd) -> out [G, hd] (bf16
+// bits). Plain loops the compiler vectorizes; cloned for AVX512 / AVX2 / baseline and picked at load.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t G, int64_t hd,
+            int64_t lo, int64_t hi, float scale, float* scratch) {
+  const int64_t S = hi - lo;
+  float* p = scratch;               // [G, S] scores, then weights
+  float* qf = p + G * S;            // [G, hd]
+  float* acc = qf + G * hd;         // [G, hd]
+  float* row = acc + G * hd;        // [hd]
+  for (int64_t i = 0; i < G * hd; ++i) qf[i] = bits(q[i]) * scale;
+  for (int64_t j = 0; j < S; ++j) {
+    for (int64_t d = 0; d < hd; ++d) row[d] = bits(k[(lo + j) * hd + d]);
+    for (int64_t h = 0; h < G; ++h) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < hd; ++d) dot += qf[h * hd + d] * row[d];
+      p[h * S + j] = dot;
+    }
+  }
+  for (int64_t h = 0; h < G; ++h) {
+    float* ph = p + h * S;
+    float mx = ph[0];
+    for (int64_t j = 1; j < S; ++j) mx = std::max(mx, ph[j]);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < S; ++j) sum += (ph[j] = std::exp(ph[j] - mx));
+    const float inv = 1.0f / sum;
+    for (int64_t j = 0; j < S; ++j) ph[j] *= inv;
+  }
+  for (int64_t i = 0; i < G * hd; ++i) acc[i] = 0.0f;
+  for (int64_t j = 0; j < S; ++j) {
+    for (int64_t d = 0; d < hd; ++d) row[d] = bits(v[(lo + j) * hd + d]);
+    for (int64_t h = 0; h < G; ++h) {
+      const float pj = p[h * S + j];
+      for (int64_t d = 0; d < hd; ++d) acc[h * hd + d] += pj * row[d];
+    }
+  }
+  for (int64_t i = 0; i < G * hd; ++i) {
+    const bf16 r = static_cast<bf16>(acc[i]);
+    std::memcpy(out + i, &r, 2);
+  }
+}
+
+torch::Tensor linear(const torch::Tensor& x, const std::vector<c10::optional<torch::Tensor>>& w, size_t at,
+                     int64_t n) {
+  if (w[at]->scalar_type() == at::kByte) return linear_q4(x, *w[at], *w[at + 1], *w[at + 2], w[at + 3], n);
+  return linear_int8(x, *w[at], *w[at + 1], *w[at + 2], w[at + 3], n);
+}
+
+}  // namespace
+
+// x: [T, D] bf16; cos, sin: [T, hd] bf16; k_cache, v_cache: [Hkv, capacity, hd] bf16 (this layer, batch
+// row 0), new keys/values written at [start, start + T); window: sliding window (0: none).
+// w: ln1, qkv (3 packed-weight tensors, bias), q_norm, k_norm, o (4), ln2, gate_up (4), down (4); absent
+// entries are None. dims: H, Hkv, hd, intermediate. Returns the layer's output [T, D] bf16.
+torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                 torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t window,
+                                 const std::vector<c10::optional<torch::Tensor>>& w,
+                                 const std::vector<int64_t>& dims, double eps) {
+  TORCH_CHECK(w.size() == 20 && dims.size() == 4, "decoder_layer_quantized: 20 weights and 4 dims expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "decoder_layer_quantized: x [T, D] bf16");
+  const int64_t T = x.size(0), D = x.size(1), H = dims[0], Hkv = dims[1], hd = dims[2], I = dims[3];
+  const int64_t G = H / Hkv, S = start + T;
+  TORCH_CHECK(T <= kMaxRows && S <= k_cache.size(1) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "decoder_layer_quantized: bad chunk or cache");
+  const float feps = static_cast<float>(eps);
+
+  // 1. attention input norm and the fused q/k/v projection
+  auto h = torch::empty_like(x);
+  rms_norm(x.data_ptr<bf16>(), w[0]->data_ptr<bf16>(), h.data_ptr<bf16>(), T, D, feps);
+  auto qkv = linear(h, w, 1, (H + 2 * Hkv) * hd).contiguous();  // [T, (H + 2 Hkv) hd]
+  bf16* qkvp = qkv.data_ptr<bf16>();
+  const int64_t row = (H + 2 * Hkv) * hd;
+
+  // 2. q/k norms (Qwen3), RoPE on q and k, new keys/values into the cache
+  bf16* kc = k_cache.data_ptr<bf16>();
+  bf16* vc = v_cache.data_ptr<bf16>();
+  const int64_t cap = k_cache.size(1);
+  for (int64_t t = 0; t < T; ++t) {
+    bf16* r = qkvp + t * row;
+    if (w[5].has_value()) rms_norm(r, w[5]->data_ptr<bf16>(), r, H, hd, feps);
+    if (w[6].has_value()) rms_norm(r + H * hd, w[6]->data_ptr<bf16>(), r + H * hd, Hkv, hd, feps);
+    const bf16* c = cos.data_ptr<bf16>() + t * hd;
+    const bf16* s = sin.data_ptr<bf16>() + t * hd;
+    for (int64_t hh = 0; hh < H + Hkv; ++hh) rope(r + hh * hd, c, s, hd);
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t i = 0; i < hd; ++i) {
+        kc[(g * cap + start + t) * hd + i] = r[(H + g) * hd + i];
+        vc[(g * cap + start + t) * hd + i] = r[(H + Hkv + g) * hd + i];
+      }
+  }
+
+  // 3. causal attention in fp32: row t sees keys [lo, start + t]; the G query heads of a KV head together
+  auto o = torch::empty({T, H * hd}, x.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scratch(G * (S + 2 * hd) + hd);  // attend()'s p, qf, acc, row
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / Hkv, g = i % Hkv, last = start + t;
+      const int64_t lo = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+      attend(reinterpret_cast<const uint16_t*>(qkvp + t * row + g * G * hd),
+             reinterpret_cast<const uint16_t*>(kc + g * cap * hd), reinterpret_cast<const uint16_t*>(vc + g * cap * hd),
+             reinterpret_cast<uint16_t*>(o.data_ptr<bf16>() + t * H * hd + g * G * hd), G, hd, lo, last + 1, scale,
+             scratch.data());
+    }
+  });
+
+  // 4. output projection and residual
+  auto attn = linear(o, w, 7, D).contiguous();
+  auto y = torch::empty_like(x);
+  bf16* yp = y.data_ptr<bf16>();
+  const bf16* xp = x.data_ptr<bf16>();
+  const bf16* ap = attn.data_ptr<bf16>();
+  for (int64_t i = 0; i < T * D; ++i) yp[i] = b(f(xp[i]) + f(ap[i]));
+
+  // 5. MLP: norm, gate/up, SiLU(gate) * up, down, residual
+  rms_norm(yp, w[11]->data_ptr<bf16>(), h.data_ptr<bf16>(), T, D, feps);
+  auto gu = linear(h, w, 12, 2 * I).contiguous();  // [T, 2I]
+  auto act = torch::empty({T, I}, x.options());
+  const bf16* gp = gu.data_ptr<bf16>();
+  bf16* actp = act.data_ptr<bf16>();
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t i = 0; i < I; ++i) {
+      const float g = f(gp[t * 2 * I + i]);
+      actp[t * I + i] = b(f(b(g / (1.0f + std::exp(-g)))) * f(gp[t * 2 * I + I + i]));
+    }
+  auto down = linear(act, w, 16, D).contiguous();
+  const bf16* dp = down.data_ptr<bf16>();
+  for (int64_t i = 0; i < T * D; ++i) yp[i] = b(f(yp[i]) + f(dp[i]));
+  return y;
+}
+
+}  // namespace verispec

@@ -1,0 +1,183 @@
+// Small-M 4-bit matrix products: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M = 1..16, for draft models.
+//
+// Weights: asymmetric 4-bit in groups of 32 along K (w = d * q + m, q in 0..15, d and m in fp16 per group:
+// the Q4_1 scheme, 5 bits per weight), packed once at load time in tiles of NR rows:
+//   packed[N/NR][K/64][NR/2][64] bytes: byte k of pair p holds q[row 2p][k] (low nibble) and
+//   q[row 2p + 1][k] (high nibble), so one 64-byte load and two masks give two rows of 64 weights;
+//   d, m: fp16 [N/NR][K/64][NR][2] (each row's two groups of the chunk).
+// Activations: each row quantized to int8 with one scale per call, as in linear_int8.cpp. Per group,
+//   sum_k w_k x_k = sx * (d * sum_k q_k qx_k + m * sum_k qx_k),
+// the first sum by AVX512-VNNI (unsigned q times signed qx), the second from per-group sums of qx.
+// Every output element is accumulated in the same order whatever M is: a row's result does not depend on
+// the other rows in the call.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <vector>
+
+namespace verispec {
+namespace {
+
+constexpr int64_t NR = 4;   // weight rows per tile
+constexpr int64_t KC = 64;  // k per chunk: two groups of 32
+constexpr int64_t GS = 32;  // group size
+constexpr int64_t MT = 2;   // activation rows per register tile
+constexpr int64_t PF = 16;  // software prefetch distance, in chunks
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+
+template <int MR>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
+static void rows_vnni(const int8_t* x, int64_t Kp, const float* xs /* [MR][K/32] */, const uint8_t* q,
+                      const uint16_t* d, const uint16_t* mn, int64_t chunks, float* out /* [MR][NR] */) {
+  __m512 acc[MR][NR];
+  __m256 mac[MR];
+  for (int i = 0; i < MR; ++i) {
+    mac[i] = _mm256_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  }
+  const __m512i lo4 = _mm512_set1_epi8(0x0f);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* qc = q + c * NR * GS;
+    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS + 64), _MM_HINT_T0);
+    __m512i w[NR];  // q[row j][k], k = 0..63 of this chunk
+    for (int p = 0; p < NR / 2; ++p) {
+      const __m512i v = _mm512_loadu_si512(qc + p * KC);
+      w[2 * p] = _mm512_and_si512(v, lo4);
+      w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
+    }
+    // d for (row j, group g) at lane 2j + g of d8; lanes 0-7 of a product use group 0, 8-15 group 1
+    const __m256 d8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + c * NR * 2)));
+    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + c * NR * 2)));
+    const __m512 d16 = _mm512_castps256_ps512(d8);
+    __m512 dv[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m512i idx = _mm512_set_epi32(2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
+                                           2 * j + 1, 2 * j + 1, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
+      dv[j] = _mm512_permutexvar_ps(idx, d16);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512i a = _mm512_loadu_si512(x + i * Kp + c * KC);
+      for (int j = 0; j < NR; ++j)
+        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, w[j], a)), dv[j], acc[i][j]);
+      // min terms: lane 2j + g += m[j][g] * xsum[g]
+      const __m256 xs2 = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xs + i * (Kp / GS) + 2 * c)));
+      mac[i] = _mm256_fmadd_ps(m8, xs2, mac[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(32) float mm[8];
+    _mm256_store_ps(mm, mac[i]);
+    for (int j = 0; j < NR; ++j) out[i * NR + j] = _mm512_reduce_add_ps(acc[i][j]) + (mm[2 * j] + mm[2 * j + 1]);
+  }
+}
+
+static void rows_portable(const int8_t* x, int64_t Kp, const float* xs, const uint8_t* q, const uint16_t* d,
+                          const uint16_t* mn, int64_t chunks, int64_t M, float* out) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < NR; ++j) {
+      float s = 0.0f, ms = 0.0f;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* qr = q + (c * NR + (j & ~1)) * GS;  // this row's pair
+        const int shift = (j & 1) * 4;
+        const int8_t* xc = x + i * Kp + c * KC;
+        int32_t g0 = 0, g1 = 0;
+        for (int64_t k = 0; k < GS; ++k) {
+          g0 += static_cast<int32_t>((qr[k] >> shift) & 0x0f) * xc[k];
+          g1 += static_cast<int32_t>((qr[GS + k] >> shift) & 0x0f) * xc[GS + k];
+        }
+        const uint16_t* dc = d + (c * NR + j) * 2;
+        const uint16_t* mc = mn + (c * NR + j) * 2;
+        s += static_cast<float>(g0) * half_to_float(dc[0]) + static_cast<float>(g1) * half_to_float(dc[1]);
+        ms += half_to_float(mc[0]) * xs[i * (Kp / GS) + 2 * c] + half_to_float(mc[1]) * xs[i * (Kp / GS) + 2 * c + 1];
+      }
+      out[i * NR + j] = s + ms;
+    }
+}
+
+// x [M, K] -> int8 [M, Kp] (zero padded), one scale per row, and per-group sums of the quantized values
+template <typename T>
+static void quantize_rows_s8(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* qx, float* sx, float* xs) {
+  for (int64_t m = 0; m < M; ++m) {
+    const T* xr = x + m * K;
+    float amax = 0.0f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xr[k])));
+    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / scale;
+    int8_t* qr = qx + m * Kp;
+    for (int64_t k = 0; k < Kp; ++k) {
+      float v = k < K ? std::nearbyint(static_cast<float>(xr[k]) * inv) : 0.0f;
+      qr[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
+    }
+    for (int64_t g = 0; g < Kp / GS; ++g) {
+      int32_t s = 0;
+      for (int64_t k = 0; k < GS; ++k) s += qr[g * GS + k];
+      xs[m * (Kp / GS) + g] = static_cast<float>(s);
+    }
+    sx[m] = scale;
+  }
+}
+
+}  // namespace
+
+torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& d,
+                        const torch::Tensor& mn, const c10::optional<torch::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(2) == NR / 2 &&
+                  packed.size(3) == KC && packed.is_contiguous(),
+              "linear_q4: packed weight must be uint8 [N/", NR, ", K/", KC, ", ", NR / 2, ", ", KC, "]");
+  const int64_t tiles = packed.size(0), chunks = packed.size(1), Kp = chunks * KC, K = x.size(-1);
+  TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && d.numel() == tiles * chunks * NR * 2 &&
+                  mn.numel() == d.numel() && d.is_contiguous() && mn.is_contiguous(),
+              "linear_q4: d and m must be fp16 [N/", NR, ", K/", KC, ", ", NR, ", 2]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_q4: bf16 or fp32 x");
+  TORCH_CHECK(K <= Kp && Kp - K < KC, "linear_q4: x has ", K, " features, weight packed for ", Kp);
+  TORCH_CHECK(N <= tiles * NR, "linear_q4: N larger than the packed weight");
+  auto x2 = x.reshape({-1, K}).contiguous();
+  const int64_t M = x2.size(0);
+  TORCH_CHECK(M <= kMaxRows, "linear_q4: at most ", kMaxRows, " rows per call, got ", M);
+
+  std::vector<int8_t> qx(M * Kp);
+  std::vector<float> sx(M), xs(M * (Kp / GS));
+  if (x2.scalar_type() == at::kFloat)
+    quantize_rows_s8(x2.data_ptr<float>(), M, K, Kp, qx.data(), sx.data(), xs.data());
+  else
+    quantize_rows_s8(x2.data_ptr<at::BFloat16>(), M, K, Kp, qx.data(), sx.data(), xs.data());
+
+  torch::Tensor b;
+  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const auto* qp = packed.data_ptr<uint8_t>();
+  const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const auto* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
+  auto yf = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  float* yp = yf.data_ptr<float>();
+  const bool vec = has_vnni();
+  at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
+    float dots[kMaxRows * NR];
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* qt = qp + t * chunks * NR * GS;
+      const uint16_t* dt = dp + t * chunks * NR * 2;
+      const uint16_t* mt = mp + t * chunks * NR * 2;
+      if (vec) {
+        int64_t m = 0;
+        for (; m + MT <= M; m += MT)
+          rows_vnni<MT>(qx.data() + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
+        if (m < M) rows_vnni<1>(qx.data() + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
+      } else {
+        rows_portable(qx.data(), Kp, xs.data(), qt, dt, mt, chunks, M, dots);
+      }
+      for (int64_t j = 0; j < NR && t * NR + j < N; ++j)
+        for (int64_t m = 0; m < M; ++m)
+          yp[m * N + t * NR + j] = dots[m * NR + j] * sx[m] + (bp ? bp[t * NR + j] : 0.0f);
+    }
+  });
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  return (x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type())).reshape(sizes);
+}
+
+}  // namespace verispec

@@ -1,0 +1,45 @@
+"""verispec's compiled CPU kernels (src/verispec/csrc, built at install time as ``verispec._C``).
+
+The ops register as ``torch.ops.verispec.*``. When the extension was not built (an install without
+``--no-build-isolation``, or a platform without a C++ compiler) ``available()`` is False and the callers
+keep PyTorch's own operators.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch  # before the extension: it links against libtorch
+
+try:
+    from . import _C
+except ImportError:  # pragma: no cover - depends on the install
+    _C = None
+
+ops = torch.ops.verispec  # linear_int8, linear_q4 (registered by _C)
+
+MAX_ROWS = 16  # kMaxRows in csrc/kernels.h: the kernels take decode and verify calls of 1..16 rows
+_warned = False
+
+
+def available() -> bool:
+    return _C is not None
+
+
+def warn_missing(what: str) -> None:
+    """Say once that a fast path is off because the kernels were not built."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"verispec's C++ kernels are not built, so {what}; reinstall with "
+                      "`pip install --no-build-isolation -e .` (see README)", RuntimeWarning, stacklevel=3)
+
+
+def isa() -> str:
+    """The instruction sets in use, e.g. 'int8:avx512-vnni', or 'none' if not built."""
+    return _C.isa() if _C is not None else "none"
+
+
+def force_portable(on: bool = True) -> None:
+    """Use the plain C++ paths instead of AVX512 (tests compare the two)."""
+    _C.set_isa("portable" if on else "auto")

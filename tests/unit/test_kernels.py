@@ -1,0 +1,149 @@
+"""verispec's C++ kernels for quantized matrices.
+
+int8 (csrc/linear_int8.cpp): exact against a Python model of its arithmetic, close to the float64 product,
+bitwise batch-invariant, bitwise the same on the AVX512 and portable paths.
+4-bit (csrc/linear_q4.cpp): within int8-activation error of the float64 product over the dequantized
+weights, bitwise batch-invariant, the portable path within fp32 rounding of the AVX512 one.
+"""
+
+import pytest
+import torch
+
+from verispec import kernels
+from verispec.models.linear import dequantize_q4, pack_int8, pack_q4
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
+
+
+def int8_linear(x, packed, scale, rowsum, bias, n):
+    return torch.ops.verispec.linear_int8(x, packed, scale, rowsum, bias, n)
+
+
+def python_model(x, w, bias):
+    """The kernel's arithmetic in PyTorch: per-row int8 activations, exact integer dots, fp32 epilogue."""
+    w = w.float()
+    sw = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
+    qw = torch.round(w / sw[:, None]).clamp(-127, 127).long()  # [N, K]
+    xf = x.float()
+    amax = xf.abs().amax(dim=1)
+    sx = torch.where(amax > 0, amax / 127, torch.ones_like(amax))  # [M]
+    qx = torch.round(xf * (1 / sx)[:, None]).clamp(-127, 127).long()  # [M, K]
+    dots = (qx @ qw.T).float()  # exact integers (|dot| < 2^24 for these sizes)
+    y = dots * sx[:, None] * sw[None, :]
+    return y if bias is None else y + bias.float()
+
+
+SHAPES = [(1, 64, 4), (3, 200, 70), (16, 896, 1152), (5, 130, 9)]
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_python_model_bitwise_and_float64_closely(m, k, n, with_bias):
+    torch.manual_seed(m * 1000 + k + n)
+    w = torch.randn(n, k) * 0.05
+    x = torch.randn(m, k)
+    bias = torch.randn(n) if with_bias else None
+    y = int8_linear(x, *pack_int8(w), bias, n)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    assert torch.equal(y, python_model(x, w, bias))
+    ref = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 0.02
+
+
+def test_bf16_activations_give_bf16_outputs_of_the_same_values():
+    torch.manual_seed(3)
+    w, x = torch.randn(70, 200), torch.randn(4, 200).to(torch.bfloat16)
+    packed = pack_int8(w)
+    y = int8_linear(x, *packed, None, 70)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, int8_linear(x.float(), *packed, None, 70).to(torch.bfloat16))
+
+
+KERNELS = {  # name -> (packer, op, portable-vs-AVX512 tolerance: int8 sums are exact integers)
+    "int8": (pack_int8, "linear_int8", 0.0),
+    "q4": (pack_q4, "linear_q4", 1e-5),
+}
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(kind):
+    pack, op, _ = KERNELS[kind]
+    torch.manual_seed(4)
+    w, x = torch.randn(300, 520), torch.randn(kernels.MAX_ROWS, 520).to(torch.bfloat16)
+    packed = pack(w)
+    full = getattr(kernels.ops, op)(x, *packed, None, 300)
+    for m in range(1, kernels.MAX_ROWS + 1):
+        assert torch.equal(getattr(kernels.ops, op)(x[:m], *packed, None, 300), full[:m]), m
+        assert torch.equal(getattr(kernels.ops, op)(x[m - 1:m], *packed, None, 300), full[m - 1:m]), m
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_portable_path_agrees_with_the_avx512_path(kind):
+    pack, op, tol = KERNELS[kind]
+    torch.manual_seed(5)
+    w, x = torch.randn(77, 333), torch.randn(6, 333)
+    packed = pack(w)
+    fast = getattr(kernels.ops, op)(x, *packed, None, 77)
+    kernels.force_portable(True)
+    try:
+        assert "portable" in kernels.isa()
+        slow = getattr(kernels.ops, op)(x, *packed, None, 77)
+    finally:
+        kernels.force_portable(False)
+    torch.testing.assert_close(slow, fast, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_bad_calls_are_refused(kind):
+    pack, op, _ = KERNELS[kind]
+    packed = pack(torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        getattr(kernels.ops, op)(torch.randn(17, 64), *packed, None, 8)
+    with pytest.raises(RuntimeError, match="features"):
+        getattr(kernels.ops, op)(torch.randn(1, 200), *packed, None, 8)
+    with pytest.raises(RuntimeError, match="packed weight must be"):
+        getattr(kernels.ops, op)(torch.randn(1, 64), packed[0].view(torch.int16), *packed[1:], None, 8)
+
+
+def test_forcing_an_unknown_isa_is_refused():
+    with pytest.raises(RuntimeError, match="unknown ISA"):
+        kernels._C.set_isa("sse9")
+
+
+def test_zero_rows_and_leading_dims():
+    w = torch.randn(8, 64)
+    packed = pack_int8(w)
+    x = torch.zeros(2, 3, 64)
+    y = int8_linear(x, *packed, None, 8)
+    assert y.shape == (2, 3, 8) and torch.equal(y, torch.zeros(2, 3, 8))
+
+
+def q4_linear(x, packed, d, m, bias, n):
+    return torch.ops.verispec.linear_q4(x, packed, d, m, bias, n)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_q4_matches_float64_over_the_dequantized_weights(m, k, n, with_bias):
+    torch.manual_seed(m * 1000 + k + n)
+    w = torch.randn(n, k) * 0.05
+    x = torch.randn(m, k)
+    bias = torch.randn(n) if with_bias else None
+    packed = pack_q4(w)
+    wd = dequantize_q4(*packed, n, k)  # [n, k]: what the 4-bit weights stand for
+    assert ((wd - w).norm() / w.norm()).item() < 0.1  # 4-bit groups of 32: ~8% weight error
+    y = q4_linear(x, *packed, bias, n)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    ref = x.double() @ wd.double().T + (0 if bias is None else bias.double())
+    assert ((y.double() - ref).norm() / ref.norm()).item() < 0.015  # int8 activations: ~0.5-0.9%
+
+
+def test_q4_pack_round_trips_representable_weights():
+    """Weights that are exactly d * q + m per group (q spanning 0..15, d and m fp16) come back as they were."""
+    torch.manual_seed(6)
+    q = torch.randint(0, 16, (12, 4, 32)).float()  # [rows, groups, 32]
+    q[:, :, 0], q[:, :, 1] = 0, 15
+    d = (torch.rand(12, 4, 1) + 0.01).half().float()
+    lo = torch.randn(12, 4, 1).half().float()
+    w = (q * d + lo).view(12, 128)
+    torch.testing.assert_close(dequantize_q4(*pack_q4(w), 12, 128), w, rtol=0, atol=1e-3)
