@@ -110,7 +110,8 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
                                  const std::vector<c10::optional<torch::Tensor>>& w,
                                  const std::vector<int64_t>& dims, double eps) {
   TORCH_CHECK(w.size() == 20 && dims.size() == 4, "decoder_layer_quantized: 20 weights and 4 dims expected");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "decoder_layer_quantized: x [T, D] bf16");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
+              "decoder_layer_quantized: x [T, D] bf16");
   const int64_t T = x.size(0), D = x.size(1), H = dims[0], Hkv = dims[1], hd = dims[2], I = dims[3];
   const int64_t G = H / Hkv, S = start + T;
   TORCH_CHECK(T <= kMaxRows && S <= k_cache.size(1) && k_cache.is_contiguous() && v_cache.is_contiguous(),

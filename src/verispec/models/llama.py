@@ -239,7 +239,9 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape
         start = cache.reserve(T)
-        fused = self.fused_quantized and mask is None and B == 1 and T <= kernels.MAX_ROWS and self.dtype == torch.bfloat16
+        # one sequence, a few tokens, default causal mask, quantized bf16 model: each layer in one C++ call
+        fused = (self.fused_quantized and mask is None and B == 1 and T <= kernels.MAX_ROWS
+                 and self.dtype == torch.bfloat16)
         if mask is None:
             mask = self.default_mask(T, start, input_ids.device)
         x = self.embed_tokens(input_ids)  # [B, T, D]
