@@ -107,3 +107,14 @@ def naive_probs(row: np.ndarray, temperature: float, top_k: int = 0, top_p: floa
         p = np.where(keep, p, 0.0)
         p /= p.sum()
     return p
+
+
+def use_fused_quantized_draft(llm, source: str, bits: int):
+    """Give a float32 ``llm`` a bf16 draft with quantized matrices, so that its draft steps take the fused
+    C++ decoder layer (csrc/decoder_layer.cpp) while the target stays exact float32."""
+    from verispec.models import loader
+
+    draft = loader.load(source, torch.bfloat16)
+    assert draft.model.quantize_weights(bits), "the C++ kernels are not built"
+    llm.draft = draft
+    return llm

@@ -139,7 +139,11 @@ def test_bench_bad_input(tiny_dirs, tmp_path, capsys):
 def test_draft_step_microbenchmark_runs(tiny_dirs, capsys):
     from verispec.bench.draft_step import main as draft_step
 
-    draft_step(["--model", str(tiny_dirs["qwen2"]), "--context", "8", "--repeats", "1"])
+    assert draft_step(["--model", str(tiny_dirs["qwen2"]), "--context", "8", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     for row in ("| bf16 |", "| int8 per-op |", "| int8 fused |", "| int4 per-op |", "| int4 fused |"):
         assert row in out, out
+    for bad in (["--model", "/no/such/model"], ["--repeats", "0"], ["--context", "x"]):
+        assert draft_step(bad) == 2, bad
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("verispec: error:"), err

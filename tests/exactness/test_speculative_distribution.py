@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import verispec.decoding
-from exact_helpers import ALPHA, chi2_pvalue, naive_probs, variant_verify
+from exact_helpers import ALPHA, chi2_pvalue, naive_probs, use_fused_quantized_draft, variant_verify
 from tiny import make_hf_model
 from verispec import LLM, SamplingParams
 from verispec.sampling import logits_to_probs
@@ -249,11 +249,16 @@ def test_speculative_sampling_matches_exact_distribution(table_llms, tables, nam
     assert p > ALPHA, f"{name}: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
 
 
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "int8-fused", "int4-fused"])
 def test_quantized_draft_matches_exact_distribution(model_dirs, tables, quant):
     """The CPU default: the draft's matrices in int8 (or 4-bit; the real network and verispec's kernels
-    produce q; only the target is table-backed). An approximate q must leave the output law exactly p."""
-    llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs["near"]), dtype="float32", draft_quant=quant)
+    produce q; only the target is table-backed). An approximate q must leave the output law exactly p.
+    "-fused": a bf16 draft, whose steps run the fused C++ decoder layer."""
+    bits = quant.split("-")[0]
+    llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs["near"]), dtype="float32", draft_quant=bits)
+    if quant.endswith("-fused"):
+        use_fused_quantized_draft(llm, str(model_dirs["near"]), int(bits[3:]))
+        assert llm.draft.model.fused_quantized and llm.draft.model.dtype == torch.bfloat16
     assert llm.draft.model.layers[0].mlp.down_proj.qop is not None, "the draft did not run quantized"
     llm.target.model = TableModel(llm.target.model, tables["target"])
     params = SamplingParams(temperature=1.0)

@@ -17,12 +17,13 @@ import pytest
 
 import torch
 
+from exact_helpers import use_fused_quantized_draft
 from tiny import EOS_ID, byte_tokenizer, make_hf_dir, make_hf_model
 from verispec import LLM, SamplingParams
 
 ARCHS = ["qwen2", "llama"]
 KS = [1, 2, 4, 8]
-DRAFTS = ["same", "near", "other", "same-int8"]
+DRAFTS = ["same", "near", "other", "same-int8", "same-int8-fused"]
 PROMPTS = ["Hello, world", "def f(x):\n    return"]
 N = 24
 
@@ -60,6 +61,9 @@ def llms(tiny_dirs, draft_dirs):
             out[arch, d] = LLM(target=target, draft=str(draft_dirs[arch, d]), dtype="float32", draft_quant="none")
         # the default on CPU: the same weights run in int8 (an approximate q; the output must not change)
         out[arch, "same-int8"] = LLM(target=target, draft=target, dtype="float32")
+        # the same weights in bf16 and int8, each draft step one fused C++ call per layer
+        out[arch, "same-int8-fused"] = use_fused_quantized_draft(
+            LLM(target=target, draft=target, dtype="float32", draft_quant="none"), target, 8)
     return out
 
 
@@ -99,8 +103,8 @@ def test_greedy_identity(llms, arch, K, draft):
             assert s["target_forwards"] == best_forwards(N, K)
             assert s["mean_accepted_length"] == pytest.approx(N / best_forwards(N, K))
             assert s["mean_accepted_length"] > 0.6 * (K + 1)
-        elif draft == "same-int8":
-            assert out.stats["acceptance_rate"] > 0.5, s["acceptance_rate"]  # int8 q is close to p, not equal
+        elif draft.startswith("same-int"):
+            assert out.stats["acceptance_rate"] > 0.5, s["acceptance_rate"]  # quantized q is close to p, not equal
         elif draft == "near":
             assert 0.05 < s["acceptance_rate"] < 0.98, s["acceptance_rate"]
             if K > 1:  # some round ended after some but not all of its drafts: a rejection past position 0

@@ -2,13 +2,27 @@
 #pragma once
 #include <torch/extension.h>
 
+#include <vector>
+
 namespace verispec {
 
 constexpr int64_t kMaxRows = 16;  // decode (1 row) and verify (k + 1 rows) calls
+constexpr int64_t kChunk = 64;    // k elements per packed chunk, in both weight formats
 
 bool has_vnni();                         // whether the int8 kernels use AVX512-VNNI now
 void set_isa(const std::string& name);   // "auto" | "portable" (tests force the portable path)
 std::string isa_name();
+
+// Activations of the quantized kernels (activations.cpp): x [..., K] -> int8 rows [M, Kp] (round to nearest,
+// max |x| -> 127, zero padding), one scale per row; checks dtype, K against Kp and M <= kMaxRows.
+struct QuantizedRows {
+  int64_t M = 0;
+  std::vector<int8_t> q;      // [M, Kp]
+  std::vector<float> scale;   // [M]
+};
+QuantizedRows quantize_rows(const torch::Tensor& x, int64_t Kp, const char* op);
+torch::Tensor fp32_bias(const c10::optional<torch::Tensor>& bias);  // undefined when absent
+torch::Tensor finish_output(const torch::Tensor& yf, const torch::Tensor& x, int64_t N);  // -> x's dtype, [..., N]
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& rowsum, const c10::optional<torch::Tensor>& bias, int64_t N);

@@ -11,8 +11,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <cmath>
-#include <vector>
 
 namespace verispec {
 namespace {
@@ -96,26 +94,6 @@ static void tile_portable(const uint8_t* x, int64_t M, int64_t Kp, const int8_t*
     }
 }
 
-// x [M, K] float/bf16 -> uint8 [M, Kp] (q + 128, zero padding stays 128 * 0-weights = 0) and scales [M].
-template <typename T>
-static void quantize_rows(const T* x, int64_t M, int64_t K, int64_t Kp, uint8_t* qx, float* sx) {
-  for (int64_t m = 0; m < M; ++m) {
-    const T* xr = x + m * K;
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xr[k])));
-    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
-    const float inv = 1.0f / scale;
-    uint8_t* qr = qx + m * Kp;
-    for (int64_t k = 0; k < K; ++k) {
-      float q = std::nearbyint(static_cast<float>(xr[k]) * inv);
-      q = std::min(127.0f, std::max(-127.0f, q));
-      qr[k] = static_cast<uint8_t>(static_cast<int32_t>(q) + 128);
-    }
-    for (int64_t k = K; k < Kp; ++k) qr[k] = 128;
-    sx[m] = scale;
-  }
-}
-
 }  // namespace
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
@@ -123,24 +101,15 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 4 && packed.size(2) == NR &&
                   packed.size(3) == KC && packed.is_contiguous(),
               "linear_int8: packed weight must be int8 [N/", NR, ", K/", KC, ", ", NR, ", ", KC, "]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_int8: bf16 or fp32 x");
-  const int64_t tiles = packed.size(0), Kp = packed.size(1) * KC, K = x.size(-1);
-  TORCH_CHECK(K <= Kp && Kp - K < KC, "linear_int8: x has ", K, " features, weight packed for ", Kp);
+  const int64_t tiles = packed.size(0), Kp = packed.size(1) * KC;
   TORCH_CHECK(N <= tiles * NR && scale.numel() == tiles * NR && rowsum.numel() == tiles * NR,
               "linear_int8: scales/row sums do not match the packed weight");
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  TORCH_CHECK(M <= kMaxRows, "linear_int8: at most ", kMaxRows, " rows per call, got ", M);
-
-  std::vector<uint8_t> qx(M * Kp);
-  std::vector<float> sx(M);
-  if (x2.scalar_type() == at::kFloat)
-    quantize_rows(x2.data_ptr<float>(), M, K, Kp, qx.data(), sx.data());
-  else
-    quantize_rows(x2.data_ptr<at::BFloat16>(), M, K, Kp, qx.data(), sx.data());
-
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  QuantizedRows xq = quantize_rows(x, Kp, "linear_int8");
+  const int64_t M = xq.M;
+  for (auto& v : xq.q) v = static_cast<int8_t>(static_cast<uint8_t>(v) ^ 0x80);  // as uint8: q + 128
+  const uint8_t* qx = reinterpret_cast<const uint8_t*>(xq.q.data());
+  const float* sx = xq.scale.data();
+  const torch::Tensor b = fp32_bias(bias);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const float* sw = scale.data_ptr<float>();
   const int32_t* rs = rowsum.data_ptr<int32_t>();
@@ -153,9 +122,9 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
     for (int64_t t = t0; t < t1; ++t) {
       const int8_t* wt = wp + t * (Kp / KC) * NR * KC;
       if (vec)
-        tile_vnni(qx.data(), M, Kp, wt, dots);
+        tile_vnni(qx, M, Kp, wt, dots);
       else
-        tile_portable(qx.data(), M, Kp, wt, dots);
+        tile_portable(qx, M, Kp, wt, dots);
       for (int64_t j = 0; j < NR && t * NR + j < N; ++j) {
         const int64_t n = t * NR + j;
         for (int64_t m = 0; m < M; ++m) {
@@ -165,9 +134,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
       }
     }
   });
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  return (x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type())).reshape(sizes);
+  return finish_output(yf, x, N);
 }
 
 }  // namespace verispec

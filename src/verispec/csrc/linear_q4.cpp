@@ -15,7 +15,6 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <cmath>
 #include <vector>
 
 namespace verispec {
@@ -100,28 +99,6 @@ static void rows_portable(const int8_t* x, int64_t Kp, const float* xs, const ui
     }
 }
 
-// x [M, K] -> int8 [M, Kp] (zero padded), one scale per row, and per-group sums of the quantized values
-template <typename T>
-static void quantize_rows_s8(const T* x, int64_t M, int64_t K, int64_t Kp, int8_t* qx, float* sx, float* xs) {
-  for (int64_t m = 0; m < M; ++m) {
-    const T* xr = x + m * K;
-    float amax = 0.0f;
-    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(xr[k])));
-    const float scale = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / scale;
-    int8_t* qr = qx + m * Kp;
-    for (int64_t k = 0; k < Kp; ++k) {
-      float v = k < K ? std::nearbyint(static_cast<float>(xr[k]) * inv) : 0.0f;
-      qr[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
-    }
-    for (int64_t g = 0; g < Kp / GS; ++g) {
-      int32_t s = 0;
-      for (int64_t k = 0; k < GS; ++k) s += qr[g * GS + k];
-      xs[m * (Kp / GS) + g] = static_cast<float>(s);
-    }
-    sx[m] = scale;
-  }
-}
-
 }  // namespace
 
 torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& d,
@@ -129,26 +106,22 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, con
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 4 && packed.size(2) == NR / 2 &&
                   packed.size(3) == KC && packed.is_contiguous(),
               "linear_q4: packed weight must be uint8 [N/", NR, ", K/", KC, ", ", NR / 2, ", ", KC, "]");
-  const int64_t tiles = packed.size(0), chunks = packed.size(1), Kp = chunks * KC, K = x.size(-1);
+  const int64_t tiles = packed.size(0), chunks = packed.size(1), Kp = chunks * KC;
   TORCH_CHECK(d.scalar_type() == at::kHalf && mn.scalar_type() == at::kHalf && d.numel() == tiles * chunks * NR * 2 &&
                   mn.numel() == d.numel() && d.is_contiguous() && mn.is_contiguous(),
               "linear_q4: d and m must be fp16 [N/", NR, ", K/", KC, ", ", NR, ", 2]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "linear_q4: bf16 or fp32 x");
-  TORCH_CHECK(K <= Kp && Kp - K < KC, "linear_q4: x has ", K, " features, weight packed for ", Kp);
   TORCH_CHECK(N <= tiles * NR, "linear_q4: N larger than the packed weight");
-  auto x2 = x.reshape({-1, K}).contiguous();
-  const int64_t M = x2.size(0);
-  TORCH_CHECK(M <= kMaxRows, "linear_q4: at most ", kMaxRows, " rows per call, got ", M);
-
-  std::vector<int8_t> qx(M * Kp);
-  std::vector<float> sx(M), xs(M * (Kp / GS));
-  if (x2.scalar_type() == at::kFloat)
-    quantize_rows_s8(x2.data_ptr<float>(), M, K, Kp, qx.data(), sx.data(), xs.data());
-  else
-    quantize_rows_s8(x2.data_ptr<at::BFloat16>(), M, K, Kp, qx.data(), sx.data(), xs.data());
-
-  torch::Tensor b;
-  if (bias.has_value() && bias->defined()) b = bias->to(at::kFloat).contiguous();
+  const QuantizedRows xq = quantize_rows(x, Kp, "linear_q4");
+  const int64_t M = xq.M, groups = Kp / GS;
+  std::vector<float> xs(M * groups);  // per-group sums of the quantized activations, for the min terms
+  for (int64_t g = 0; g < M * groups; ++g) {
+    int32_t s = 0;
+    for (int64_t k = 0; k < GS; ++k) s += xq.q[g * GS + k];
+    xs[g] = static_cast<float>(s);
+  }
+  const int8_t* qx = xq.q.data();
+  const float* sx = xq.scale.data();
+  const torch::Tensor b = fp32_bias(bias);
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const auto* qp = packed.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
@@ -165,19 +138,17 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, con
       if (vec) {
         int64_t m = 0;
         for (; m + MT <= M; m += MT)
-          rows_vnni<MT>(qx.data() + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
-        if (m < M) rows_vnni<1>(qx.data() + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
+          rows_vnni<MT>(qx + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
+        if (m < M) rows_vnni<1>(qx + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
       } else {
-        rows_portable(qx.data(), Kp, xs.data(), qt, dt, mt, chunks, M, dots);
+        rows_portable(qx, Kp, xs.data(), qt, dt, mt, chunks, M, dots);
       }
       for (int64_t j = 0; j < NR && t * NR + j < N; ++j)
         for (int64_t m = 0; m < M; ++m)
           yp[m * N + t * NR + j] = dots[m * NR + j] * sx[m] + (bp ? bp[t * NR + j] : 0.0f);
     }
   });
-  auto sizes = x.sizes().vec();
-  sizes.back() = N;
-  return (x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type())).reshape(sizes);
+  return finish_output(yf, x, N);
 }
 
 }  // namespace verispec

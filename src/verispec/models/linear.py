@@ -39,7 +39,15 @@ def can_quantize(device) -> bool:
     return True
 
 
-INT8_TILE_ROWS, INT8_CHUNK = 4, 64  # NR and KC in csrc/linear_int8.cpp
+TILE_ROWS, CHUNK = 4, 64  # weight rows per tile and k per chunk in both packed formats (csrc/kernels.h)
+
+
+def _padded(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> float32 [N', K'] zero-padded to whole tiles and chunks."""
+    N, K = w.shape
+    out = torch.zeros(-(-N // TILE_ROWS) * TILE_ROWS, -(-K // CHUNK) * CHUNK)
+    out[:N, :K] = w.detach()
+    return out
 
 
 def pack_int8(w: torch.Tensor):
@@ -47,17 +55,12 @@ def pack_int8(w: torch.Tensor):
 
     Symmetric per output row: q = round(w / scale), scale = max|w| / 127; N and K are zero-padded.
     """
-    w = w.detach().float()
-    N, K = w.shape
-    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [N]
-    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
-    Np, Kp = -(-N // INT8_TILE_ROWS) * INT8_TILE_ROWS, -(-K // INT8_CHUNK) * INT8_CHUNK
-    qp = torch.zeros(Np, Kp, dtype=torch.int8)
-    qp[:N, :K] = q
-    sp = torch.zeros(Np)
-    sp[:N] = scale
-    packed = qp.view(Np // INT8_TILE_ROWS, INT8_TILE_ROWS, Kp // INT8_CHUNK, INT8_CHUNK).permute(0, 2, 1, 3)
-    return packed.contiguous(), sp, qp.sum(dim=1, dtype=torch.int32)
+    wp = _padded(w)  # [Np, Kp]
+    Np, Kp = wp.shape
+    scale = (wp.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [Np]
+    q = torch.round(wp / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [Np, Kp]
+    packed = q.view(Np // TILE_ROWS, TILE_ROWS, Kp // CHUNK, CHUNK).permute(0, 2, 1, 3)
+    return packed.contiguous(), scale, q.sum(dim=1, dtype=torch.int32)
 
 
 Q4_GROUP = 32  # GS in csrc/linear_q4.cpp
@@ -69,34 +72,31 @@ def pack_q4(w: torch.Tensor):
     Asymmetric 4-bit per group of 32 along K (the Q4_1 scheme): w ~ d * q + m, q in 0..15, with d and m
     rounded to fp16 first so that q is chosen against the values the kernel will use. Zero padding.
     """
-    w = w.detach().float()
-    N, K = w.shape
-    Np, Kp = -(-N // INT8_TILE_ROWS) * INT8_TILE_ROWS, -(-K // INT8_CHUNK) * INT8_CHUNK
-    wp = torch.zeros(Np, Kp)
-    wp[:N, :K] = w
+    wp = _padded(w)  # [Np, Kp]
+    Np, Kp = wp.shape
     g = wp.view(Np, Kp // Q4_GROUP, Q4_GROUP)  # [Np, G, 32]
     lo, hi = g.amin(dim=-1), g.amax(dim=-1)  # [Np, G]
     d = ((hi - lo) / 15).half()
     m = lo.half()
     dq = torch.where(d.float() > 0, d.float(), torch.ones_like(lo))
     q = torch.round((g - m.float()[..., None]) / dq[..., None]).clamp(0, 15).to(torch.uint8)  # [Np, G, 32]
-    tiles = Np // INT8_TILE_ROWS
-    q = q.view(tiles, 2, 2, Kp // INT8_CHUNK, INT8_CHUNK)  # [tile, pair, row in pair, chunk, k]
+    tiles = Np // TILE_ROWS
+    q = q.view(tiles, 2, 2, Kp // CHUNK, CHUNK)  # [tile, pair, row in pair, chunk, k]
     nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).transpose(1, 2).contiguous()  # [N/4, K/64, 2, 64]
 
     def tiled(t):  # [Np, K/64, ...] -> [N/4, K/64, 4, ...]
-        return t.view(tiles, INT8_TILE_ROWS, *t.shape[1:]).transpose(1, 2).contiguous()
+        return t.view(tiles, TILE_ROWS, *t.shape[1:]).transpose(1, 2).contiguous()
 
-    return nibbles, tiled(d.view(Np, Kp // INT8_CHUNK, 2)), tiled(m.view(Np, Kp // INT8_CHUNK, 2))
+    return nibbles, tiled(d.view(Np, Kp // CHUNK, 2)), tiled(m.view(Np, Kp // CHUNK, 2))
 
 
 def dequantize_q4(packed, d, m, n: int, k: int) -> torch.Tensor:
     """The float weight [n, k] a pack_q4 result stands for (tests and references)."""
     tiles, chunks = packed.shape[:2]
     q = torch.stack((packed & 15, packed >> 4), dim=3).float()  # [N/4, K/64, pair, row in pair, 64]
-    q = q.reshape(tiles, chunks, INT8_TILE_ROWS, 2, Q4_GROUP)  # [N/4, K/64, 4 rows, 2 groups, 32]
+    q = q.reshape(tiles, chunks, TILE_ROWS, 2, Q4_GROUP)  # [N/4, K/64, 4 rows, 2 groups, 32]
     w = q * d.float()[..., None] + m.float()[..., None]
-    return w.permute(0, 2, 1, 3, 4).reshape(tiles * INT8_TILE_ROWS, chunks * INT8_CHUNK)[:n, :k]
+    return w.permute(0, 2, 1, 3, 4).reshape(tiles * TILE_ROWS, chunks * CHUNK)[:n, :k]
 
 
 QUANT_BITS = {8: (pack_int8, "linear_int8"), 4: (pack_q4, "linear_q4")}  # bits -> (packer, kernel op)

@@ -193,6 +193,8 @@ class Transformer(nn.Module):
             return False
         for m in linears:
             m.quantize(bits)
+        for layer in self.layers:
+            layer._fused = None  # the fused layer's weight list is rebuilt from the new matrices
         self.fused_quantized = True
         return True
 
