@@ -23,7 +23,9 @@ else:
         ext_modules=[CppExtension(
             "verispec._C",
             sources=sorted(str(p) for p in CSRC.glob("*.cpp")),
-            extra_compile_args=["-O3", "-fopenmp"],  # OpenMP: at::parallel_for splits output tiles over cores
+            # OpenMP: at::parallel_for splits output tiles over cores. -fno-trapping-math lets loops with float
+            # compares and selects vectorize (exp, clamps); values are unchanged (no -ffast-math reassociation).
+            extra_compile_args=["-O3", "-fopenmp", "-fno-trapping-math"],
             extra_link_args=["-fopenmp"],
         )],
         cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

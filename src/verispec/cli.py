@@ -32,6 +32,17 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     p.add_argument("--draft-quant", default="int8", choices=["int8", "int4", "none"],
                    help="draft model matrices in int8 (default) or 4-bit on CPU, or as loaded; exactness is unaffected")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                   help="draft proposes only its N most frequent tokens: a cheaper LM head, lower acceptance "
+                        "(default: 0 = all tokens); exactness is unaffected")
+    p.add_argument("--draft-vocab-table", default=None, metavar="FILE",
+                   help="token-frequency table for --draft-vocab (python -m verispec.draft_vocab)")
+
+
+def engine_options(args) -> dict:
+    """LLM(...) keyword arguments from the model flags."""
+    return dict(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
+                draft_quant=args.draft_quant, draft_vocab=args.draft_vocab, draft_vocab_table=args.draft_vocab_table)
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -109,8 +120,7 @@ def cmd_generate(args) -> int:
         raise VerispecError("empty prompt")
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop])
-    llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
-              draft_quant=args.draft_quant)
+    llm = LLM(**engine_options(args))
     kw = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, chat=args.chat, system=args.system,
               **spec_options(args))
     if args.json or args.no_stream or not llm.codec.has_tokenizer:

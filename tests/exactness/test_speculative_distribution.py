@@ -34,6 +34,7 @@ import verispec.decoding
 from exact_helpers import ALPHA, chi2_pvalue, naive_probs, use_fused_quantized_draft, variant_verify
 from tiny import make_hf_model
 from verispec import LLM, SamplingParams
+from verispec.draft_vocab import save_table
 from verispec.sampling import logits_to_probs
 
 V = 16
@@ -266,6 +267,39 @@ def test_quantized_draft_matches_exact_distribution(model_dirs, tables, quant):
     assert 0.3 < acceptance < 0.98, acceptance
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p > ALPHA, f"{quant} draft: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
+
+
+HEAD_IDS = [0, 2, 3, 5, 8, 11, 13, 14]  # the restricted draft's tokens: half the vocabulary
+
+
+def restricted_head_llm(model_dirs, tables, tmp_path) -> LLM:
+    """The real "near" network as draft with its LM head kept to HEAD_IDS (draft_vocab.py); the target is
+    table-backed. q is 0 on half the vocabulary, so recovered tokens carry much of the mass."""
+    table = tmp_path / "half.draft-vocab"
+    save_table(table, torch.tensor(HEAD_IDS), V)
+    llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs["near"]), dtype="float32", draft_quant="none",
+              draft_vocab=len(HEAD_IDS), draft_vocab_table=str(table))
+    assert llm.draft.model.head_ids.tolist() == HEAD_IDS
+    llm.target.model = TableModel(llm.target.model, tables["target"])
+    return llm
+
+
+def test_restricted_head_draft_matches_exact_distribution(model_dirs, tables, tmp_path):
+    llm = restricted_head_llm(model_dirs, tables, tmp_path)
+    params = SamplingParams(temperature=1.0)
+    counts, acceptance = draw(llm, 2, params, N, first_seed=700_000)
+    assert 0.2 < acceptance < 0.9, acceptance
+    p = chi2_pvalue(counts, exact_joint(tables, params))
+    assert p > ALPHA, f"restricted head: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
+
+
+def test_negative_control_restricted_head_with_recovery_from_p_fails(model_dirs, tables, tmp_path, monkeypatch):
+    llm = restricted_head_llm(model_dirs, tables, tmp_path)
+    params = SamplingParams(temperature=1.0)
+    monkeypatch.setattr(verispec.decoding, "verify", variant_verify("recover_from_p"))
+    counts, _ = draw(llm, 2, params, N_NEG, first_seed=700_000)
+    p = chi2_pvalue(counts, exact_joint(tables, params))
+    assert p < ALPHA, f"recovery from p with a restricted draft not detected: p = {p:.3g}"
 
 
 @pytest.mark.parametrize("name,bug", NEGATIVE)

@@ -20,10 +20,12 @@ import torch
 from exact_helpers import use_fused_quantized_draft
 from tiny import EOS_ID, byte_tokenizer, make_hf_dir, make_hf_model
 from verispec import LLM, SamplingParams
+from verispec.draft_vocab import save_table
 
 ARCHS = ["qwen2", "llama"]
 KS = [1, 2, 4, 8]
-DRAFTS = ["same", "near", "other", "same-int8", "same-int8-fused"]
+DRAFTS = ["same", "near", "other", "same-int8", "same-int8-fused", "same-head", "same-int8-head"]
+HEAD_ROWS = 128  # "-head" drafts: the target restricted to half its tokens (draft_vocab.py)
 PROMPTS = ["Hello, world", "def f(x):\n    return"]
 N = 24
 
@@ -50,7 +52,15 @@ def draft_dirs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llms(tiny_dirs, draft_dirs):
+def head_table(tmp_path_factory):
+    """A frequency table over the tiny tokenizer's 259 tokens in a fixed shuffled order."""
+    path = tmp_path_factory.mktemp("vocab") / "tiny.draft-vocab"
+    save_table(path, torch.randperm(259, generator=torch.Generator().manual_seed(3)), 259)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_dirs, draft_dirs, head_table):
     """{(arch, draft): LLM}; each LLM also serves as the AR reference (method "ar" ignores the draft)."""
     out = {}
     for arch in ARCHS:
@@ -64,6 +74,10 @@ def llms(tiny_dirs, draft_dirs):
         # the same weights in bf16 and int8, each draft step one fused C++ call per layer
         out[arch, "same-int8-fused"] = use_fused_quantized_draft(
             LLM(target=target, draft=target, dtype="float32", draft_quant="none"), target, 8)
+        # the target's weights with an LM head kept to HEAD_ROWS tokens: drafts outside them are impossible
+        head = dict(draft_vocab=HEAD_ROWS, draft_vocab_table=str(head_table))
+        out[arch, "same-head"] = LLM(target=target, draft=target, dtype="float32", draft_quant="none", **head)
+        out[arch, "same-int8-head"] = LLM(target=target, draft=target, dtype="float32", **head)
     return out
 
 
@@ -103,6 +117,12 @@ def test_greedy_identity(llms, arch, K, draft):
             assert s["target_forwards"] == best_forwards(N, K)
             assert s["mean_accepted_length"] == pytest.approx(N / best_forwards(N, K))
             assert s["mean_accepted_length"] > 0.6 * (K + 1)
+        elif draft.endswith("-head"):
+            # accepted drafts are output tokens the restricted head can propose
+            kept = set(llm.draft.model.head_ids.tolist())
+            assert EOS_ID in kept and len(kept) in (HEAD_ROWS, HEAD_ROWS + 1)  # plus EOS, always kept
+            assert llm.draft.model.lm_head.out_features == len(kept)
+            assert s["accepted_tokens"] <= sum(t in kept for t in want.token_ids)
         elif draft.startswith("same-int"):
             assert out.stats["acceptance_rate"] > 0.5, s["acceptance_rate"]  # quantized q is close to p, not equal
         elif draft == "near":

@@ -115,6 +115,7 @@ def run_bench(args) -> int:
     from tqdm import tqdm
 
     from .. import LLM, SamplingParams
+    from ..cli import engine_options
     from .hardware import environment, read_bandwidth_gbs
     from .peers import HFPeer
     from .report import markdown, summarize
@@ -129,8 +130,7 @@ def run_bench(args) -> int:
     prompts = _prompts(args)
     if args.plot and importlib.util.find_spec("matplotlib") is None:  # fail before the long run, not after
         raise VerispecError("--plot needs matplotlib: pip install 'verispec[bench]'")
-    llm = LLM(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
-              draft_quant=args.draft_quant)
+    llm = LLM(**engine_options(args))
     if not llm.codec.has_tokenizer:
         raise VerispecError("the benchmark needs a model with a tokenizer")
     spec_runs = _spec_runs(args, llm)
@@ -166,7 +166,7 @@ def run_bench(args) -> int:
     report = {
         "command": "verispec " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "verispec" else None,
         "target": args.target, "draft": llm.draft.source if llm.draft else None, "dtype": args.dtype,
-        "draft_quant": args.draft_quant, "device": llm.device, "max_new_tokens": n_new,
+        "draft_quant": args.draft_quant, "draft_vocab": llm.draft_vocab_rows, "device": llm.device, "max_new_tokens": n_new,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": chat,
         "prompts": args.prompts or "built-in suite", "num_prompts": len(prompts),
         "environment": environment(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False,

@@ -135,7 +135,8 @@ def markdown(r: dict) -> str:
     d = s["decode"]
     lines = [f"{r['target']} ({r['dtype']}, {r['device']}, {env['torch_threads']} threads, {env['cpu'] or env['cuda']}), "
              f"{r['max_new_tokens']} new tokens, temperature {r['temperature']}, chat={r['chat']}"
-             + (f", draft {r['draft']} (weights: {r.get('draft_quant')})" if r.get("draft") else ""), ""]
+             + (f", draft {r['draft']} (weights: {r.get('draft_quant')}, LM head: "
+                f"{r.get('draft_vocab') or 'full'} tokens)" if r.get("draft") else ""), ""]
     if r.get("command"):
         lines += [f"command: `{r['command']}`", ""]
     lines += _matrix(r)

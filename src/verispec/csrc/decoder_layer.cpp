@@ -19,18 +19,82 @@ namespace {
 
 using bf16 = at::BFloat16;
 
-inline float f(bf16 v) { return static_cast<float>(v); }
-inline bf16 b(float v) { return static_cast<bf16>(v); }  // round to nearest even
+// bf16 <-> float in plain integer arithmetic (the compiler vectorizes these; c10's conversions stay scalar):
+// f is exact, b rounds to nearest even with NaN -> 0x7FC0, bit for bit c10::BFloat16(float).
+inline float bits(uint16_t v) {
+  const uint32_t u = static_cast<uint32_t>(v) << 16;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+inline float f(bf16 v) { return bits(v.x); }
+inline bf16 b(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  const uint32_t r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return bf16(static_cast<uint16_t>((u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : r), bf16::from_bits());
+}
+
+constexpr int64_t L = 16;  // partial sums per reduction: vectorizable without -ffast-math's reassociation
+
+// sum of v[0:n] in L interleaved partial sums, then a fixed tree (the order does not depend on the ISA)
+__attribute__((always_inline)) inline float lane_sum(const float* part) {
+  float p[L];
+  for (int64_t l = 0; l < L; ++l) p[l] = part[l];
+  for (int64_t w = L / 2; w > 0; w /= 2)
+    for (int64_t l = 0; l < w; ++l) p[l] += p[l + w];
+  return p[0];
+}
+
+// exp in plain arithmetic the compiler vectorizes (std::exp is one scalar call per value): 2^n * p(r),
+// n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p the degree-7 Taylor polynomial (remainder
+// < 3e-9 on |r| <= ln 2 / 2): a few float ulps from expf, on x clamped to [-87, 88].
+__attribute__((always_inline)) inline float vexp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23 trick
+  const float r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &e, 4);
+  return p * scale;
+}
 
 // h[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps))   (rows of n values, in place allowed)
+__attribute__((target_clones("avx512f", "avx2", "default")))
 void rms_norm(const bf16* x, const bf16* w, bf16* h, int64_t rows, int64_t n, float eps) {
   for (int64_t t = 0; t < rows; ++t) {
     const bf16* xr = x + t * n;
-    float ss = 0.0f;
-    for (int64_t i = 0; i < n; ++i) ss += f(xr[i]) * f(xr[i]);
-    const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
+    float part[L] = {};
+    int64_t i = 0;
+    for (; i + L <= n; i += L)
+      for (int64_t l = 0; l < L; ++l) part[l] += f(xr[i + l]) * f(xr[i + l]);
+    for (; i < n; ++i) part[0] += f(xr[i]) * f(xr[i]);
+    const float r = 1.0f / std::sqrt(lane_sum(part) / static_cast<float>(n) + eps);
     bf16* hr = h + t * n;
-    for (int64_t i = 0; i < n; ++i) hr[i] = b(f(w[i]) * f(b(f(xr[i]) * r)));
+    for (i = 0; i < n; ++i) hr[i] = b(f(w[i]) * f(b(f(xr[i]) * r)));
+  }
+}
+
+// y[i] = bf16(y[i] + a[i])   (residual adds, rounded as in llama.py)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void add_into(bf16* y, const bf16* a, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = b(f(y[i]) + f(a[i]));
+}
+
+// act = bf16(bf16(silu(gate)) * up) for one row of n, SiLU in fp32 (as F.silu on bf16)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void silu_mul(const bf16* __restrict gate, const bf16* __restrict up, bf16* __restrict act, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = f(gate[i]);
+    act[i] = b(f(b(g / (1.0f + vexp(-g)))) * f(up[i]));
   }
 }
 
@@ -42,13 +106,6 @@ void rope(bf16* x, const bf16* c, const bf16* s, int64_t hd) {
     x[i] = b(f(b(x1 * f(c[i]))) + f(b(-x2 * f(s[i]))));
     x[i + h2] = b(f(b(x2 * f(c[i + h2]))) + f(b(x1 * f(s[i + h2]))));
   }
-}
-
-inline float bits(uint16_t v) {  // bf16 bits -> float (exact)
-  uint32_t u = static_cast<uint32_t>(v) << 16;
-  float r;
-  std::memcpy(&r, &u, 4);
-  return r;
 }
 
 // G query heads q [G, hd] against keys/values [lo, hi) of one KV head (rows of hd) -> out [G, hd] (bf16
@@ -65,19 +122,27 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o
   for (int64_t j = 0; j < S; ++j) {
     for (int64_t d = 0; d < hd; ++d) row[d] = bits(k[(lo + j) * hd + d]);
     for (int64_t h = 0; h < G; ++h) {
-      float dot = 0.0f;
-      for (int64_t d = 0; d < hd; ++d) dot += qf[h * hd + d] * row[d];
-      p[h * S + j] = dot;
+      const float* qh = qf + h * hd;
+      float part[L] = {};
+      int64_t d = 0;
+      for (; d + L <= hd; d += L)
+        for (int64_t l = 0; l < L; ++l) part[l] += qh[d + l] * row[d + l];
+      for (; d < hd; ++d) part[0] += qh[d] * row[d];
+      p[h * S + j] = lane_sum(part);
     }
   }
   for (int64_t h = 0; h < G; ++h) {
     float* ph = p + h * S;
     float mx = ph[0];
     for (int64_t j = 1; j < S; ++j) mx = std::max(mx, ph[j]);
-    float sum = 0.0f;
-    for (int64_t j = 0; j < S; ++j) sum += (ph[j] = std::exp(ph[j] - mx));
-    const float inv = 1.0f / sum;
-    for (int64_t j = 0; j < S; ++j) ph[j] *= inv;
+    for (int64_t j = 0; j < S; ++j) ph[j] = vexp(ph[j] - mx);
+    float part[L] = {};
+    int64_t j = 0;
+    for (; j + L <= S; j += L)
+      for (int64_t l = 0; l < L; ++l) part[l] += ph[j + l];
+    for (; j < S; ++j) part[0] += ph[j];
+    const float inv = 1.0f / lane_sum(part);
+    for (j = 0; j < S; ++j) ph[j] *= inv;
   }
   for (int64_t i = 0; i < G * hd; ++i) acc[i] = 0.0f;
   for (int64_t j = 0; j < S; ++j) {
@@ -164,7 +229,8 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
   bf16* yp = y.data_ptr<bf16>();
   const bf16* xp = x.data_ptr<bf16>();
   const bf16* ap = attn.data_ptr<bf16>();
-  for (int64_t i = 0; i < T * D; ++i) yp[i] = b(f(xp[i]) + f(ap[i]));
+  std::memcpy(yp, xp, T * D * sizeof(bf16));
+  add_into(yp, ap, T * D);
 
   // 5. MLP: norm, gate/up, SiLU(gate) * up, down, residual
   rms_norm(yp, w[11]->data_ptr<bf16>(), h.data_ptr<bf16>(), T, D, feps);
@@ -172,14 +238,10 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
   auto act = torch::empty({T, I}, x.options());
   const bf16* gp = gu.data_ptr<bf16>();
   bf16* actp = act.data_ptr<bf16>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t i = 0; i < I; ++i) {
-      const float g = f(gp[t * 2 * I + i]);
-      actp[t * I + i] = b(f(b(g / (1.0f + std::exp(-g)))) * f(gp[t * 2 * I + I + i]));
-    }
+  for (int64_t t = 0; t < T; ++t) silu_mul(gp + t * 2 * I, gp + t * 2 * I + I, actp + t * I, I);
   auto down = linear(act, w, 16, D).contiguous();
   const bf16* dp = down.data_ptr<bf16>();
-  for (int64_t i = 0; i < T * D; ++i) yp[i] = b(f(yp[i]) + f(dp[i]));
+  add_into(yp, dp, T * D);
   return y;
 }
 

@@ -19,6 +19,7 @@ constexpr int64_t NR = 4;     // weight rows per tile
 constexpr int64_t KC = 64;    // k elements per chunk (one zmm of int8)
 constexpr int64_t MT = 4;     // activation rows per register tile
 constexpr int64_t KB = 1024;  // k elements per cache block: NR * KB = 4 KiB of weights in L1
+constexpr int64_t kPfTiles = 16;  // scale / row-sum prefetch distance in tiles (4 cache lines ahead)
 constexpr int64_t PF = 32 * NR * KC;  // software prefetch distance in bytes (32 chunks = 8 KiB ahead: the best of 0-128 measured here)
 
 // U independent accumulator sets per (row, output) hide the dot-product latency when MR is small;
@@ -121,6 +122,11 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
     int32_t dots[kMaxRows * NR];
     for (int64_t t = t0; t < t1; ++t) {
       const int8_t* wt = wp + t * (Kp / KC) * NR * KC;
+      if (t + kPfTiles < tiles) {  // the per-row scales and sums are streams too: fetch them ahead (was ~10% of a draft step)
+        __builtin_prefetch(sw + (t + kPfTiles) * NR);
+        __builtin_prefetch(rs + (t + kPfTiles) * NR);
+        if (bp) __builtin_prefetch(bp + (t + kPfTiles) * NR);
+      }
       if (vec)
         tile_vnni(qx, M, Kp, wt, dots);
       else

@@ -172,6 +172,7 @@ class Transformer(nn.Module):
         # A plain attribute, not a buffer: model.to(bfloat16) must not round the RoPE frequencies.
         self.inv_freq = rope_inv_freq(cfg)  # [hd/2] float32
         self.fused_quantized = False  # quantized matrices: short chunks of one sequence run each layer in one C++ call
+        self.head_ids: torch.Tensor | None = None  # [Vh] the token ids of a restricted LM head (restrict_head)
 
     def tie_weights(self) -> None:
         self.lm_head.weight = self.embed_tokens.weight
@@ -197,6 +198,18 @@ class Transformer(nn.Module):
             layer._fused = None  # the fused layer's weight list is rebuilt from the new matrices
         self.fused_quantized = True
         return True
+
+    def restrict_head(self, ids: torch.Tensor) -> None:
+        """Keep only rows ``ids`` of the LM head; every other token's logit becomes -inf (a draft that
+        proposes only frequent tokens reads fewer bytes per step: draft_vocab.py). Call before
+        quantize_weights, which then quantizes the smaller head."""
+        ids = torch.unique(ids.long()).to(self.embed_tokens.weight.device)  # [Vh] sorted
+        w = self.lm_head.dense_weight().detach()[ids]  # [Vh, D]
+        head = Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        head.weight = nn.Parameter(w.clone(), requires_grad=False)
+        if self.lm_head.packed is not None:
+            head.pack()
+        self.lm_head, self.head_ids = head, ids
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """state_dict() with packed matrices restored to plain [out, in] tensors."""
@@ -259,7 +272,10 @@ class Transformer(nn.Module):
         cache.advance(T)
         if num_logits is not None:
             x = x[:, T - num_logits:]
-        logits = self.lm_head(self.norm(x)).float()  # [B, n, V]
+        logits = self.lm_head(self.norm(x)).float()  # [B, n, V], or [B, n, Vh] for a restricted head
+        if self.head_ids is not None:
+            full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))  # [B, n, V]
+            logits = full.index_copy_(-1, self.head_ids, logits)
         return logits, hidden
 
     @property

