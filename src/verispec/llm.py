@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 import torch
 
 from . import draft_vocab, drafters
-from .adaptive import AdaptiveDrafter, DraftLengthController
 from .config import DRAFT_QUANT_BITS, EngineConfig, SamplingParams, SpecConfig
 from .decoding import DecodeContext, Stats, autoregressive, speculative
 from .errors import ConfigError, VerispecError
@@ -131,7 +130,8 @@ class LLM:
             raise ConfigError(f"unknown method {spec.method!r} (available: {', '.join([AR, *drafters.METHODS])})")
         drafter = drafters.METHODS[spec.method](self, spec) if spec.method != AR else None
         if drafter is not None and spec.adaptive and not getattr(drafter, "adaptive", False):
-            drafter = AdaptiveDrafter(drafter, DraftLengthController(spec.min_draft_tokens, spec.num_draft_tokens))
+            # adaptive K is auto's choice with one candidate (n-gram drafts: per match length)
+            drafter = drafters.AutoDrafter({spec.method: drafter}, spec.min_draft_tokens, spec.num_draft_tokens)
         prompt_ids = self.codec.encode(prompt, chat=chat, system=system)
         context = self.target.config.max_position_embeddings
         P = len(prompt_ids)

@@ -1,53 +1,118 @@
 """``method="auto"``: each round, the drafter whose draft promises the most tokens per second.
 
-Every candidate drafter runs behind its own adaptive-length controller (adaptive.py), so each has live
-estimates of its acceptance per position and of its costs. Cheap drafters (``cheap = True``: proposing
-costs ~nothing and a proposal may be dropped without ``update``, e.g. n-gram lookup) propose first; the
-draft they actually produced is valued with their estimates. The best expensive drafter is valued at its
-chosen K. The round goes to the higher value; only the chosen drafter proposes (expensive) or is kept
-(cheap), and only it is updated. Exactness is the verifier's business, whatever drafter is picked.
+Every drafter is valued with the cost model of adaptive.py (live per-position acceptance, seconds per
+drafted token, the target's verify cost per forward size, one table shared by all): a round of K drafts
+yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K + 1)`` seconds.
+
+- Cheap drafters (``cheap = True``: proposing costs ~nothing and a proposal may be dropped without
+  ``update``, e.g. n-gram lookup) propose first, and the draft they actually made is valued. A drafter
+  that reports the length of its match (``last_match``) gets separate estimates per match length: a
+  4-token match continues far more often than a 1-token one. K is then cut to the best length for them.
+  A cheap draft with no record yet (a match length never tried) is taken: trying it costs one verify.
+- An expensive drafter (the draft model) is valued at the K it would choose, plus the catch-up it would
+  need first: a draft model that sat out rounds (or never ran: the whole prompt) must feed the tokens its
+  cache lacks before it drafts. That one-off cost is spread over the rounds left in the generation. Before
+  its first round it is valued with priors in units of one target step (PRIOR_C per drafted token,
+  PRIOR_CATCH_UP per catch-up token: measured ratios for a 0.5B int8 draft of a 1.5B bf16 target on CPU).
+
+Only the chosen drafter proposes (expensive) or is kept (cheap), and only it learns from the round.
+Exactness is the verifier's business, whatever drafter is picked.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
 
-from ..adaptive import AdaptiveDrafter, DraftLengthController
+from ..adaptive import DraftLengthController
+from ..costmodel import expected_tokens_per_round
 from .base import Draft, DraftRequest
+
+PRIOR_C = 0.25  # draft seconds per drafted token / target seconds per step, before the draft model ran
+PRIOR_CATCH_UP = 0.03  # the same for each token of a long catch-up (a batched prefill is cheap per token)
+LONG_CATCH_UP = 16  # catch-ups longer than this take the prefill path: their per-token cost is learned
 
 
 class AutoDrafter:
     adaptive = True  # chooses its own lengths: the engine must not wrap it again
 
     def __init__(self, drafters: dict[str, object], k_min: int, k_max: int):
-        self.candidates = {name: AdaptiveDrafter(d, DraftLengthController(k_min, k_max))
-                           for name, d in drafters.items()}
-        self.chosen: AdaptiveDrafter | None = None
+        self.drafters = drafters
+        self.k_min, self.k_max = k_min, k_max
+        self.t_verify: dict[int, float] = {}  # the target's cost per forward size, learned from every round
+        self.controllers: dict[tuple[str, int | None], DraftLengthController] = {}
+        self.t_catch_up: float | None = None  # EMA seconds per token of a long catch-up
+        self._round: tuple | None = None  # (drafter, controller, K, draft seconds, hand-over time)
 
-    def _value(self, name: str, K: int) -> float:
-        controller = self.candidates[name].controller
-        return controller.tokens_per_second(K) if controller.t_verify else float("inf")  # untried: try it
+    def controller(self, name: str, match: int | None = None) -> DraftLengthController:
+        key = (name, match)
+        if key not in self.controllers:
+            self.controllers[key] = DraftLengthController(self.k_min, self.k_max, t_verify=self.t_verify)
+        return self.controllers[key]
+
+    def _step_seconds(self) -> float | None:
+        return min(self.t_verify.values()) if self.t_verify else None  # ~ one target step
+
+    def _catch_up_seconds(self, drafter, request: DraftRequest, ctl: DraftLengthController, K: int) -> float:
+        """The catch-up this round would pay beyond a normal draft step, spread over the rounds left."""
+        lag = drafter.lag(request.context) if hasattr(drafter, "lag") else 0
+        step = self._step_seconds()
+        if lag <= 2 or step is None:
+            return 0.0
+        per_token = self.t_catch_up if self.t_catch_up is not None else PRIOR_CATCH_UP * step
+        left = max(request.capacity - len(request.context) - request.num_tokens - 1, 1)  # new tokens still to come
+        rounds_left = max(left / expected_tokens_per_round(ctl.rates()[:K]), 1.0)
+        return lag * per_token / rounds_left
 
     def propose(self, request: DraftRequest) -> Draft:
-        options = []  # (expected tokens/s, name, draft already made or None)
-        for name, cand in self.candidates.items():
-            if getattr(cand.inner, "cheap", False):  # propose now, value the draft it really has
-                draft = cand.propose(request)
+        step = self._step_seconds()
+        options = []  # (expected tokens/s, name, drafter, controller, K, draft or None, seconds spent)
+        for name, d in self.drafters.items():
+            if getattr(d, "cheap", False):  # propose now, value the draft it really has
+                t0 = time.perf_counter()
+                draft = d.propose(request)
+                spent = time.perf_counter() - t0
                 if draft.tokens.shape[1]:
-                    options.append((self._value(name, draft.tokens.shape[1]), name, draft))
+                    ctl = self.controller(name, getattr(d, "last_match", None))
+                    K = ctl.choose(draft.tokens.shape[1])
+                    draft = replace(draft, tokens=draft.tokens[:, :K],
+                                    draft_probs=None if draft.draft_probs is None else draft.draft_probs[:, :K])
+                    # untried (no costs measured, or never chosen at this match length): try it, it is free
+                    value = ctl.tokens_per_second(K) if step and ctl.t_draft is not None else float("inf")
+                    options.append((value, name, d, ctl, K, draft, spent))
             else:  # value it at the K it would choose; it proposes only if chosen
-                options.append((self._value(name, cand.controller.choose(request.num_tokens)), name, None))
-        if options:
-            _, name, draft = max(options, key=lambda o: o[0])  # the first on ties
-        else:  # only cheap drafters and none found anything: a plain target step
-            name = next(iter(self.candidates))
-            draft = Draft(torch.empty(1, 0, dtype=torch.long, device=request.device))
-        self.chosen = self.candidates[name]
+                ctl = self.controller(name)
+                K = ctl.choose(request.num_tokens)
+                prior = None if step is None else PRIOR_C * step
+                extra = self._catch_up_seconds(d, request, ctl, K)
+                value = ctl.tokens_per_second(K, t_draft=prior, extra_s=extra) if step else 0.0
+                options.append((value, name, d, ctl, K, None, 0.0))
+        if not options:  # only cheap drafters and none found anything: a plain target step
+            self._round = None
+            return Draft(torch.empty(1, 0, dtype=torch.long, device=request.device))
+        _, name, d, ctl, K, draft, spent = max(options, key=lambda o: o[0])  # the first on ties
         if draft is None:
-            draft = self.chosen.propose(request)
+            t0 = time.perf_counter()
+            draft = d.propose(replace(request, num_tokens=K))
+            spent = time.perf_counter() - t0
+            spent -= self._learn_catch_up(d)
+        self._round = (d, ctl, draft.tokens.shape[1], spent, time.perf_counter())
         return replace(draft, source=name)
 
+    def _learn_catch_up(self, drafter) -> float:
+        """Seconds of this round's draft time that were catch-up (learned per token), not drafting."""
+        tokens, seconds = getattr(drafter, "catch_up", (0, 0.0))
+        if tokens <= LONG_CATCH_UP:
+            return 0.0  # a short catch-up is a draft step: part of t_draft
+        per_token = seconds / tokens
+        self.t_catch_up = per_token if self.t_catch_up is None else 0.8 * self.t_catch_up + 0.2 * per_token
+        return seconds
+
     def update(self, num_accepted: int) -> None:
-        self.chosen.update(num_accepted)
+        if self._round is None:
+            return
+        d, ctl, K, draft_s, handed_over = self._round
+        ctl.observe(K, num_accepted, draft_s, time.perf_counter() - handed_over)
+        d.update(num_accepted)

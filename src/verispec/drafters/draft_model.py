@@ -7,6 +7,8 @@ tokens with the same temperature / top-k / top-p transform as the target.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,11 @@ class DraftModelDrafter:
         self.model = model
         self.cache: KVCache | None = None  # holds context[:cache.length]; the engine's context is the truth
         self.num_proposed = 0  # K of this round, for update()
+        self.catch_up = (0, 0.0)  # (tokens, seconds) of this round's first forward: the catch-up and draft 1
+
+    def lag(self, context: list[int]) -> int:
+        """Tokens of ``context`` the draft cache lacks: the next round's first forward feeds them all."""
+        return len(context) - (self.cache.length if self.cache is not None else 0)
 
     def propose(self, request: DraftRequest) -> Draft:
         ctx, K = request.context, request.num_tokens
@@ -30,8 +37,11 @@ class DraftModelDrafter:
         # 1. catch up: feed the committed tokens the draft cache lacks (all of the prompt, first time)
         tokens = torch.tensor([ctx[self.cache.length:]], device=device)  # [1, T]
         tokens_out, probs_out = [], []
-        for _ in range(K):
+        for i in range(K):
+            t0 = time.perf_counter()
             logits = fit_vocab(self._forward(tokens), request.vocab_size, request.logit_mask)  # [1, V]
+            if i == 0:
+                self.catch_up = (tokens.shape[1], time.perf_counter() - t0)
             probs = None if request.params.greedy else logits_to_probs(logits, request.params)  # [1, V]
             token = logits.argmax(-1) if probs is None else torch.multinomial(probs, 1, generator=request.generator)[:, 0]
             tokens_out.append(token)

@@ -1,0 +1,143 @@
+"""``auto``'s choice against scripted drafters: per-match-length estimates for n-gram lookup, the draft
+model's catch-up cost spread over the rounds left, and the bookkeeping of what each round cost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from verispec.config import SamplingParams
+from verispec.drafters.auto import AutoDrafter
+from verispec.drafters.base import Draft, DraftRequest
+
+
+class Lookup:
+    """A cheap drafter that proposes ``tokens`` with a match of length ``match``."""
+
+    cheap = True
+
+    def __init__(self):
+        self.tokens, self.last_match, self.updates = [], 0, []
+
+    def propose(self, request):
+        return Draft(torch.tensor([self.tokens[: request.num_tokens]], dtype=torch.long).reshape(1, -1))
+
+    def update(self, n):
+        self.updates.append(n)
+
+
+class Model:
+    """An expensive drafter whose cache lacks ``behind`` tokens of the context."""
+
+    def __init__(self):
+        self.behind, self.proposed, self.updates = 1, [], []
+        self.catch_up = (0, 0.0)
+
+    def lag(self, context):
+        return self.behind
+
+    def propose(self, request):
+        self.proposed.append(request.num_tokens)
+        self.catch_up = (self.behind, 0.0)
+        return Draft(torch.full((1, request.num_tokens), 7, dtype=torch.long))
+
+    def update(self, n):
+        self.updates.append(n)
+
+
+def request(context_len=100, new_left=200, K=4):
+    ctx = list(range(context_len))
+    return DraftRequest(ctx, K, SamplingParams(), None, context_len + new_left + K + 1, 1000, None)
+
+
+def trained_auto(k_max=4):
+    lookup, model = Lookup(), Model()
+    auto = AutoDrafter({"ngram": lookup, "draft": model}, 1, k_max)
+    auto.t_verify.update({T: 0.05 for T in range(1, k_max + 2)})  # one target step: 50 ms, flat verify
+    for match, rate in ((1, 0.1), (4, 0.95)):
+        ctl = auto.controller("ngram", match)
+        ctl.acceptance, ctl.t_draft = [rate] * k_max, 0.0
+    ctl = auto.controller("draft")
+    ctl.acceptance, ctl.t_draft = [0.7] * k_max, 0.012
+    return auto, lookup, model
+
+
+def test_a_long_match_goes_to_ngram_a_short_one_to_the_draft_model():
+    auto, lookup, model = trained_auto()
+    lookup.tokens = [1, 2, 3, 4]
+    lookup.last_match = 4
+    assert auto.propose(request()).source == "ngram" and model.proposed == []
+    auto.update(4)
+    assert lookup.updates == [4]
+    lookup.last_match = 1  # the same continuation, found from a 1-token match: rarely right
+    draft = auto.propose(request())
+    assert draft.source == "draft" and model.proposed == [4]
+    auto.update(2)
+    assert model.updates == [2] and lookup.updates == [4]  # only the chosen drafter learns
+
+
+def test_ngram_drafts_are_cut_to_the_length_their_match_supports():
+    auto, lookup, _ = trained_auto(k_max=8)
+    ctl = auto.controller("ngram", 3)
+    ctl.acceptance, ctl.t_draft = [0.9, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05], 0.0
+    auto.t_verify.update({T: 0.05 * (1 + 0.1 * (T - 1)) for T in range(1, 10)})  # longer verify costs more
+    auto.controller("draft").acceptance = [0.01] * 8
+    lookup.tokens, lookup.last_match = list(range(1, 9)), 3
+    draft = auto.propose(request(K=8))
+    assert draft.source == "ngram" and draft.tokens.shape[1] == 1
+
+
+@pytest.mark.parametrize("new_left,chosen", [(8, "ngram"), (2000, "draft")])
+def test_a_long_catch_up_counts_against_the_draft_model_less_when_many_tokens_remain(new_left, chosen):
+    auto, lookup, model = trained_auto()
+    lookup.tokens, lookup.last_match = [1, 2, 3, 4], 1  # a mediocre n-gram option is on the table
+    auto.controller("ngram", 1).acceptance = [0.2] * 4
+    auto.t_catch_up = 0.002  # 2 ms per token of catch-up
+    model.behind = 400  # the draft model never ran: it would first prefill 400 tokens (0.8 s)
+    # 8 tokens left: 0.8 s is not worth it; 2000 left: the prefill pays back over the rounds to come
+    assert auto.propose(request(new_left=new_left)).source == chosen
+
+
+def test_catch_up_time_is_learned_per_token_and_kept_out_of_the_draft_cost():
+    auto, lookup, model = trained_auto()
+    model.behind = 1
+
+    def long_propose(request):
+        model.catch_up = (300, 0.6)  # the first forward fed 300 tokens in 0.6 s
+        return Draft(torch.full((1, request.num_tokens), 7, dtype=torch.long))
+
+    model.propose = long_propose
+    auto.propose(request())
+    auto.update(3)
+    assert auto.t_catch_up == 0.002
+    assert auto.controller("draft").t_draft < 0.05  # 0.6 s of catch-up not billed as drafting
+
+
+def test_nothing_to_propose_is_a_plain_step():
+    lookup = Lookup()
+    auto = AutoDrafter({"ngram": lookup}, 1, 4)
+    draft = auto.propose(request())
+    assert draft.tokens.shape == (1, 0)
+    auto.update(0)
+    assert lookup.updates == []
+
+
+def test_first_round_takes_the_free_draft():
+    lookup, model = Lookup(), Model()
+    auto = AutoDrafter({"ngram": lookup, "draft": model}, 1, 4)
+    lookup.tokens, lookup.last_match = [5], 1
+    assert auto.propose(request()).source == "ngram"  # no costs measured yet: nothing is spent on a guess
+    auto.update(0)
+    assert auto.t_verify  # the round measured the target's verify cost for everyone
+    lookup.tokens = []
+    assert auto.propose(request()).source == "draft"
+
+
+def test_a_match_length_never_tried_is_tried_once():
+    auto, lookup, model = trained_auto()
+    auto.controller("draft").acceptance = [1.0] * 4  # a draft model that is never wrong
+    lookup.tokens, lookup.last_match = [1, 2, 3, 4], 2  # no record for 2-token matches yet: free to find out
+    assert auto.propose(request()).source == "ngram"
+    auto.update(0)  # it was wrong
+    assert auto.controller("ngram", 2).t_draft is not None
+    assert auto.propose(request()).source == "draft"
