@@ -50,6 +50,7 @@ class Stats:
     reached: list[int] = field(default_factory=list)  # [K] (sized by the loop): rounds that judged position i
     accepted_at: list[int] = field(default_factory=list)  # [K]: rounds in which position i was accepted
     drafter_rounds: dict[str, int] = field(default_factory=dict)  # rounds per drafter, when one delegates
+    drafter_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafter -> [drafted, accepted]
 
     def record_round(self, num_drafted: int, num_accepted: int) -> None:
         self.drafted_tokens += num_drafted
@@ -83,6 +84,7 @@ class Stats:
             )
         if self.drafter_rounds:
             out["drafter_rounds"] = dict(self.drafter_rounds)
+            out["drafter_tokens"] = {k: {"drafted": d, "accepted": a} for k, (d, a) in self.drafter_tokens.items()}
         return out
 
 
@@ -155,6 +157,9 @@ def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
         ctx.stats.record_round(K, n)
         if draft.source:
             ctx.stats.drafter_rounds[draft.source] = ctx.stats.drafter_rounds.get(draft.source, 0) + 1
+            counts = ctx.stats.drafter_tokens.setdefault(draft.source, [0, 0])
+            counts[0] += K
+            counts[1] += n
         last = verdict.tokens[:, n]  # [1]
         context += new
         yield new

@@ -58,6 +58,9 @@ def test_greedy_identity(llms, draft, method, K, opts):
         accepted += s["accepted_tokens"]
         if method == "auto":
             assert sum(s["drafter_rounds"].values()) >= 1 and set(s["drafter_rounds"]) <= {"ngram", "draft"}
+            per = s["drafter_tokens"].values()  # drafted / accepted per drafter add up to the totals
+            assert sum(t["drafted"] for t in per) == s["drafted_tokens"]
+            assert sum(t["accepted"] for t in per) == s["accepted_tokens"]
     assert 0 < accepted and drafted > 0, "nothing was drafted or accepted: the test did not test drafting"
     if method == "ngram" or draft == "other":
         assert accepted < drafted, "no draft was ever rejected: rollback untested"

@@ -46,7 +46,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def _record(prompt, ids, name: str, method: str, k: int | None, stats: dict, identical: bool) -> dict:
     keys = ("new_tokens", "wall_s", "tokens_per_s", "prefill_s", "target_s", "target_forwards",
             "mean_accepted_length", "decode_ms_per_token", "draft_s", "drafted_tokens", "accepted_tokens",
-            "acceptance_rate", "per_position_acceptance", "per_position_reached", "drafter_rounds")
+            "acceptance_rate", "per_position_acceptance", "per_position_reached", "drafter_rounds",
+            "drafter_tokens")
     return {"label": name, "method": method, "num_draft_tokens": k, "category": prompt.category,
             "prompt_id": prompt.id, "prompt_tokens": len(ids), "acceptance_rate": None, "per_position_acceptance": [],
             **{key: stats[key] for key in keys if key in stats}, "identical_to_ar": identical}
