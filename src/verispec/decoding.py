@@ -49,8 +49,7 @@ class Stats:
     accepted_tokens: int = 0
     reached: list[int] = field(default_factory=list)  # [K] (sized by the loop): rounds that judged position i
     accepted_at: list[int] = field(default_factory=list)  # [K]: rounds in which position i was accepted
-    drafter_rounds: dict[str, int] = field(default_factory=dict)  # rounds per drafter, when one delegates
-    drafter_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafter -> [drafted, accepted]
+    drafters: dict[str, list[int]] = field(default_factory=dict)  # [rounds, drafted, accepted] per delegate
 
     def record_round(self, num_drafted: int, num_accepted: int) -> None:
         self.drafted_tokens += num_drafted
@@ -82,9 +81,9 @@ class Stats:
                 per_position_acceptance=[a / r if r else None for a, r in zip(self.accepted_at, self.reached)],
                 per_position_reached=list(self.reached),
             )
-        if self.drafter_rounds:
-            out["drafter_rounds"] = dict(self.drafter_rounds)
-            out["drafter_tokens"] = {k: {"drafted": d, "accepted": a} for k, (d, a) in self.drafter_tokens.items()}
+        if self.drafters:
+            out["drafter_rounds"] = {k: r for k, (r, _, _) in self.drafters.items()}
+            out["drafter_tokens"] = {k: {"drafted": d, "accepted": a} for k, (_, d, a) in self.drafters.items()}
         return out
 
 
@@ -156,10 +155,10 @@ def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
         ctx.drafter.update(n)
         ctx.stats.record_round(K, n)
         if draft.source:
-            ctx.stats.drafter_rounds[draft.source] = ctx.stats.drafter_rounds.get(draft.source, 0) + 1
-            counts = ctx.stats.drafter_tokens.setdefault(draft.source, [0, 0])
-            counts[0] += K
-            counts[1] += n
+            record = ctx.stats.drafters.setdefault(draft.source, [0, 0, 0])  # rounds, drafted, accepted
+            record[0] += 1
+            record[1] += K
+            record[2] += n
         last = verdict.tokens[:, n]  # [1]
         context += new
         yield new

@@ -23,7 +23,6 @@ first (little-endian).
 
 from __future__ import annotations
 
-import argparse
 import struct
 import sys
 from pathlib import Path
@@ -120,7 +119,10 @@ def load_table(path: str | Path, vocab_size: int) -> torch.Tensor:
 
 def save_table(path: str | Path, ranking: torch.Tensor, vocab_size: int) -> None:
     ids = ranking.to(torch.int32).contiguous()
-    Path(path).write_bytes(MAGIC + struct.pack("<II", vocab_size, len(ids)) + ids.numpy().tobytes())
+    try:
+        Path(path).write_bytes(MAGIC + struct.pack("<II", vocab_size, len(ids)) + ids.numpy().tobytes())
+    except OSError as e:
+        raise VerispecError(f"cannot write draft vocabulary table {path}: {e.strerror or e}") from None
 
 
 def head_ids(table: torch.Tensor, rows: int, always: tuple[int, ...] = ()) -> torch.Tensor:
@@ -176,20 +178,24 @@ def expected_counts(model, prompts: list[list[int]], new_tokens: int, seed: int 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m verispec.draft_vocab",
-                                description="Rank a draft model's tokens by expected frequency (FR-Spec).")
+    from .cli import EXIT_USAGE, _Parser
+
+    p = _Parser(prog="python -m verispec.draft_vocab",
+                description="Rank a draft model's tokens by expected frequency (FR-Spec).")
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="model name, HF directory or .gguf")
     p.add_argument("--out", required=True, help="table file to write")
     p.add_argument("--new-tokens", type=int, default=160, help="tokens generated per seed prompt (default: 160)")
     p.add_argument("--keep", type=int, default=65536, help="ids stored, most frequent first (default: 65536)")
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
     try:
+        args = p.parse_args(argv)
         from .models.loader import load
         from .tokenizer import Codec
 
         if args.new_tokens < 1 or args.keep < 1:
             raise VerispecError("--new-tokens and --keep must be >= 1")
+        if not Path(args.out).expanduser().parent.is_dir():  # before minutes of generation, not after
+            raise VerispecError(f"--out {args.out}: directory {Path(args.out).parent} does not exist")
         loaded = load(args.model, torch.bfloat16, "cpu")
         loaded.model.quantize_weights(8)  # faster steps; the ranking is a statistic, not exact arithmetic
         codec = Codec(loaded.tokenizer, loaded.config.vocab_size)
@@ -201,8 +207,8 @@ def main(argv=None) -> int:
         top = counts[ranking].sum() / counts.sum()
         print(f"wrote {args.out}: {len(ranking)} of {real} tokens, {top:.4f} of the expected mass")
     except VerispecError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"verispec: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     return 0
 
 

@@ -25,10 +25,12 @@ CASES = {  # name: (method, draft model, K, SamplingParams fields, speculative o
     "ngram-top_p0.8-K2": ("ngram", "near", 2, dict(temperature=1.0, top_p=0.8), {}),
     "auto-T0.7-top_k5-K2": ("auto", "near", 2, dict(temperature=0.7, top_k=5), {}),
     "adaptive_draft-T1-K2": ("draft", "other", 2, dict(temperature=1.0), dict(adaptive=True)),
+    # adaptive n-gram: drafts cut per match length (drafters/auto.py with one drafter)
+    "adaptive_ngram-T1-K2": ("ngram", "near", 2, dict(temperature=1.0), dict(adaptive=True)),
 }
 model_dirs, tables = base.model_dirs, base.tables  # the same fixtures: tiny models and their logit tables
 NEGATIVE = [("ngram-T1-K2", "always_accept"), ("auto-T0.7-top_k5-K2", "recover_from_p"),
-            ("adaptive_draft-T1-K2", "always_accept")]
+            ("adaptive_draft-T1-K2", "always_accept"), ("adaptive_ngram-T1-K2", "always_accept")]
 
 
 def draw(llm, method: str, K: int, params: SamplingParams, n: int, opts: dict, first_seed: int = 0):

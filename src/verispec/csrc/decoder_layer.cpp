@@ -37,10 +37,15 @@ inline bf16 b(float v) {
 
 constexpr int64_t L = 16;  // partial sums per reduction: vectorizable without -ffast-math's reassociation
 
-// sum of v[0:n] in L interleaved partial sums, then a fixed tree (the order does not depend on the ISA)
-__attribute__((always_inline)) inline float lane_sum(const float* part) {
-  float p[L];
-  for (int64_t l = 0; l < L; ++l) p[l] = part[l];
+// sum of term(0) .. term(n - 1) in L interleaved partial sums, then a fixed tree: the order does not depend
+// on the ISA clone, and the inner loop vectorizes (term is inlined)
+template <typename Term>
+__attribute__((always_inline)) inline float lane_reduce(int64_t n, Term term) {
+  float p[L] = {};
+  int64_t i = 0;
+  for (; i + L <= n; i += L)
+    for (int64_t l = 0; l < L; ++l) p[l] += term(i + l);
+  for (; i < n; ++i) p[0] += term(i);
   for (int64_t w = L / 2; w > 0; w /= 2)
     for (int64_t l = 0; l < w; ++l) p[l] += p[l + w];
   return p[0];
@@ -72,14 +77,10 @@ __attribute__((target_clones("avx512f", "avx2", "default")))
 void rms_norm(const bf16* x, const bf16* w, bf16* h, int64_t rows, int64_t n, float eps) {
   for (int64_t t = 0; t < rows; ++t) {
     const bf16* xr = x + t * n;
-    float part[L] = {};
-    int64_t i = 0;
-    for (; i + L <= n; i += L)
-      for (int64_t l = 0; l < L; ++l) part[l] += f(xr[i + l]) * f(xr[i + l]);
-    for (; i < n; ++i) part[0] += f(xr[i]) * f(xr[i]);
-    const float r = 1.0f / std::sqrt(lane_sum(part) / static_cast<float>(n) + eps);
+    const float ss = lane_reduce(n, [&](int64_t i) { return f(xr[i]) * f(xr[i]); });
+    const float r = 1.0f / std::sqrt(ss / static_cast<float>(n) + eps);
     bf16* hr = h + t * n;
-    for (i = 0; i < n; ++i) hr[i] = b(f(w[i]) * f(b(f(xr[i]) * r)));
+    for (int64_t i = 0; i < n; ++i) hr[i] = b(f(w[i]) * f(b(f(xr[i]) * r)));
   }
 }
 
@@ -123,12 +124,7 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o
     for (int64_t d = 0; d < hd; ++d) row[d] = bits(k[(lo + j) * hd + d]);
     for (int64_t h = 0; h < G; ++h) {
       const float* qh = qf + h * hd;
-      float part[L] = {};
-      int64_t d = 0;
-      for (; d + L <= hd; d += L)
-        for (int64_t l = 0; l < L; ++l) part[l] += qh[d + l] * row[d + l];
-      for (; d < hd; ++d) part[0] += qh[d] * row[d];
-      p[h * S + j] = lane_sum(part);
+      p[h * S + j] = lane_reduce(hd, [&](int64_t d) { return qh[d] * row[d]; });
     }
   }
   for (int64_t h = 0; h < G; ++h) {
@@ -136,13 +132,8 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o
     float mx = ph[0];
     for (int64_t j = 1; j < S; ++j) mx = std::max(mx, ph[j]);
     for (int64_t j = 0; j < S; ++j) ph[j] = vexp(ph[j] - mx);
-    float part[L] = {};
-    int64_t j = 0;
-    for (; j + L <= S; j += L)
-      for (int64_t l = 0; l < L; ++l) part[l] += ph[j + l];
-    for (; j < S; ++j) part[0] += ph[j];
-    const float inv = 1.0f / lane_sum(part);
-    for (j = 0; j < S; ++j) ph[j] *= inv;
+    const float inv = 1.0f / lane_reduce(S, [&](int64_t j) { return ph[j]; });
+    for (int64_t j = 0; j < S; ++j) ph[j] *= inv;
   }
   for (int64_t i = 0; i < G * hd; ++i) acc[i] = 0.0f;
   for (int64_t j = 0; j < S; ++j) {

@@ -55,10 +55,10 @@ class AutoDrafter:
     def _step_seconds(self) -> float | None:
         return min(self.t_verify.values()) if self.t_verify else None  # ~ one target step
 
-    def _catch_up_seconds(self, drafter, request: DraftRequest, ctl: DraftLengthController, K: int) -> float:
+    def _catch_up_seconds(self, drafter, request: DraftRequest, ctl: DraftLengthController, K: int,
+                          step: float | None) -> float:
         """The catch-up this round would pay beyond a normal draft step, spread over the rounds left."""
         lag = drafter.lag(request.context) if hasattr(drafter, "lag") else 0
-        step = self._step_seconds()
         if lag <= 2 or step is None:
             return 0.0
         per_token = self.t_catch_up if self.t_catch_up is not None else PRIOR_CATCH_UP * step
@@ -86,7 +86,7 @@ class AutoDrafter:
                 ctl = self.controller(name)
                 K = ctl.choose(request.num_tokens)
                 prior = None if step is None else PRIOR_C * step
-                extra = self._catch_up_seconds(d, request, ctl, K)
+                extra = self._catch_up_seconds(d, request, ctl, K, step)
                 value = ctl.tokens_per_second(K, t_draft=prior, extra_s=extra) if step else 0.0
                 options.append((value, name, d, ctl, K, None, 0.0))
         if not options:  # only cheap drafters and none found anything: a plain target step

@@ -37,8 +37,8 @@ class DraftModelDrafter:
         # 1. catch up: feed the committed tokens the draft cache lacks (all of the prompt, first time)
         tokens = torch.tensor([ctx[self.cache.length:]], device=device)  # [1, T]
         tokens_out, probs_out = [], []
+        t0 = time.perf_counter()
         for i in range(K):
-            t0 = time.perf_counter()
             logits = fit_vocab(self._forward(tokens), request.vocab_size, request.logit_mask)  # [1, V]
             if i == 0:
                 self.catch_up = (tokens.shape[1], time.perf_counter() - t0)
