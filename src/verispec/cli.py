@@ -35,6 +35,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="draft proposes only its N most frequent tokens: a cheaper LM head, lower acceptance "
                         "(default: 0 = all tokens); exactness is unaffected")
+    p.add_argument("--weights", default="dequantized", choices=["dequantized", "native"],
+                   help="GGUF models (the default pair too): 'native' runs Q4_K/Q6_K/Q8_0/... matrices as they are "
+                        "on CPU (int8 activations; faster), 'dequantized' converts them to --dtype (default)")
     p.add_argument("--draft-vocab-table", default=None, metavar="FILE",
                    help="token-frequency table for --draft-vocab (python -m verispec.draft_vocab)")
 
@@ -42,7 +45,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def engine_options(args) -> dict:
     """LLM(...) keyword arguments from the model flags."""
     return dict(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
-                draft_quant=args.draft_quant, draft_vocab=args.draft_vocab, draft_vocab_table=args.draft_vocab_table)
+                draft_quant=args.draft_quant, draft_vocab=args.draft_vocab, draft_vocab_table=args.draft_vocab_table,
+                weights=args.weights)
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:

@@ -208,6 +208,7 @@ BAD_FLAGS = {
     "seed non-numeric": ["--seed", "abc"],
     "empty stop string": ["--stop", ""],
     "unknown method": ["--method", "bogus"],
+    "unknown weights": ["--weights", "bogus"],
     "dtype float64": ["--dtype", "float64"],
     "device tpu": ["--device", "tpu"],
     "threads 0": ["--threads", "0"],

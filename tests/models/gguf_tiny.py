@@ -3,8 +3,8 @@
 Independent of verispec: our own name table and un-permutation are what the tests check, so this
 module has its own copy of llama.cpp's tensor names and of its Q/K row permutation. Every written
 tensor also records the float32 weight a correct loader must produce (``expected``, HF layout):
-for F32 the weight itself, for F16/Q8_0 the round trip through that format, for the K-quants the
-dequantization of the random raw blocks written in its place.
+for F32 the weight itself, for F16/Q8_0/Q4_0/... the round trip through that format, for the K-quants
+(no quantizer in gguf-py) the dequantization of the random raw blocks written in its place.
 """
 
 from __future__ import annotations
@@ -55,23 +55,25 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, rows // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def random_kquant(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """Valid raw Q4_K / Q6_K blocks [rows, bytes]: random quants and scales, small finite fp16 scales."""
+def random_kquant(rows: int, cols: int, qtype: Q, rng: np.random.Generator, scale: float = 1.0) -> np.ndarray:
+    """Valid raw Q4_K / Q5_K / Q6_K blocks [rows, bytes]: random quants and scales, small finite fp16 scales
+    (``scale`` multiplies them: larger weights)."""
     block, size = GGML_QUANT_SIZES[qtype]
     assert cols % block == 0
     n = rows * (cols // block)
     raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    if qtype == Q.Q4_K:  # d (f16), dmin (f16), scales[12], qs[128]
-        raw[:, 0:2] = rng.uniform(1e-4, 3e-4, n).astype(np.float16).view(np.uint8).reshape(n, 2)
-        raw[:, 2:4] = rng.uniform(1e-3, 3e-3, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d (f16), dmin (f16), scales[12], [Q5_K: qh[32]], qs[128]
+        raw[:, 0:2] = (scale * rng.uniform(1e-4, 3e-4, n)).astype(np.float16).view(np.uint8).reshape(n, 2)
+        raw[:, 2:4] = (scale * rng.uniform(1e-3, 3e-3, n)).astype(np.float16).view(np.uint8).reshape(n, 2)
     elif qtype == Q.Q6_K:  # ql[128], qh[64], scales[16] (int8), d (f16)
-        raw[:, -2:] = rng.uniform(1e-5, 3e-5, n).astype(np.float16).view(np.uint8).reshape(n, 2)
+        raw[:, -2:] = (scale * rng.uniform(1e-5, 3e-5, n)).astype(np.float16).view(np.uint8).reshape(n, 2)
     else:
         raise ValueError(qtype)
     return raw.reshape(rows, cols // block * size)
 
 
-def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator,
+           kquant_scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """(array to write, HF-layout float32 weight it stands for), both un-permuted."""
     w = np.ascontiguousarray(w, dtype=np.float32)
     if qtype == Q.F32:
@@ -79,8 +81,8 @@ def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarra
     if qtype == Q.F16:
         data = w.astype(np.float16)
         return data, data.astype(np.float32)
-    if qtype in (Q.Q4_K, Q.Q6_K):
-        data = random_kquant(w.shape[0], w.shape[1], qtype, rng)
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        data = random_kquant(w.shape[0], w.shape[1], qtype, rng, kquant_scale)
         return data, dequantize(data, qtype).reshape(w.shape).astype(np.float32)
     data = quantize(w, qtype)
     return data, dequantize(data, qtype).reshape(w.shape).astype(np.float32)
@@ -90,11 +92,12 @@ def write_gguf(path: Path, arch: str, hf_model, types: dict[str, Q] | None = Non
                rope_freqs: np.ndarray | None = None, eos_token_id: int | None = 256,
                extra_kv=None, drop: tuple[str, ...] = (),
                extra_tensors: dict[str, np.ndarray] | None = None,
-               tokens: list[str] | None = None) -> dict[str, np.ndarray]:
+               tokens: list[str] | None = None, kquant_scale: float = 1.0) -> dict[str, np.ndarray]:
     """Write ``hf_model`` as GGUF ``arch``; return {HF name: expected float32 weight}.
 
     types: GGUF tensor name suffix (e.g. "attn_q.weight" or "blk.0.ffn_down.weight") -> type; the
     longest matching suffix wins; default F32 for 1-D tensors and F16 for matrices.
+    kquant_scale: multiplies the fp16 scales of the random K-quant blocks (random_kquant).
     """
     types = types or {}
     cfg = hf_model.config
@@ -143,7 +146,7 @@ def write_gguf(path: Path, arch: str, hf_model, types: dict[str, Q] | None = Non
         default = Q.F32 if tensor.ndim == 1 else Q.F16
         matches = [s for s in types if name.endswith(s)]
         qtype = types[max(matches, key=len)] if matches else default
-        data, exp = encode(tensor, qtype, rng)
+        data, exp = encode(tensor, qtype, rng, kquant_scale)
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):  # as llama.cpp does
             data = llama_cpp_permute(data, heads if ".attn_q." in name else kv_heads)
         if qtype in (Q.F32, Q.F16):

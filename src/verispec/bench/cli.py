@@ -166,7 +166,7 @@ def run_bench(args) -> int:
     report = {
         "command": "verispec " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "verispec" else None,
         "target": args.target, "draft": llm.draft.source if llm.draft else None, "dtype": args.dtype,
-        "draft_quant": args.draft_quant, "draft_vocab": llm.draft_vocab_rows, "device": llm.device, "max_new_tokens": n_new,
+        "draft_quant": args.draft_quant, "weights": args.weights, "draft_vocab": llm.draft_vocab_rows, "device": llm.device, "max_new_tokens": n_new,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": chat,
         "prompts": args.prompts or "built-in suite", "num_prompts": len(prompts),
         "environment": environment(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False,

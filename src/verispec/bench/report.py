@@ -133,7 +133,7 @@ def _matrix(r: dict) -> list[str]:
 def markdown(r: dict) -> str:
     s, env = r["summary"], r["environment"]
     d = s["decode"]
-    lines = [f"{r['target']} ({r['dtype']}, {r['device']}, {env['torch_threads']} threads, {env['cpu'] or env['cuda']}), "
+    lines = [f"{r['target']} ({r['dtype']}{', native GGUF weights' if r.get('weights') == 'native' else ''}, {r['device']}, {env['torch_threads']} threads, {env['cpu'] or env['cuda']}), "
              f"{r['max_new_tokens']} new tokens, temperature {r['temperature']}, chat={r['chat']}"
              + (f", draft {r['draft']} (weights: {r.get('draft_quant')}, LM head: "
                 f"{r.get('draft_vocab') or 'full'} tokens)" if r.get("draft") else ""), ""]

@@ -151,6 +151,7 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o
 
 torch::Tensor linear(const torch::Tensor& x, const std::vector<c10::optional<torch::Tensor>>& w, size_t at,
                      int64_t n) {
+  if (w[at + 2]->scalar_type() == at::kLong) return linear_gguf(x, *w[at], *w[at + 1], *w[at + 2], w[at + 3]);
   if (w[at]->scalar_type() == at::kByte) return linear_q4(x, *w[at], *w[at + 1], *w[at + 2], w[at + 3], n);
   return linear_int8(x, *w[at], *w[at + 1], *w[at + 2], w[at + 3], n);
 }

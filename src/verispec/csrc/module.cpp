@@ -33,11 +33,13 @@ void set_isa(const std::string& name) {
 TORCH_LIBRARY(verispec, m) {
   m.def("linear_int8(Tensor x, Tensor packed, Tensor scale, Tensor rowsum, Tensor? bias, int n) -> Tensor");
   m.def("linear_q4(Tensor x, Tensor packed, Tensor d, Tensor m, Tensor? bias, int n) -> Tensor");
+  m.def("linear_gguf(Tensor x, Tensor q, Tensor s, Tensor meta, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(verispec, CPU, m) {
   m.impl("linear_int8", &verispec::linear_int8);
   m.impl("linear_q4", &verispec::linear_q4);
+  m.impl("linear_gguf", &verispec::linear_gguf);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -151,8 +151,14 @@ class GGUFFile:
                                 f"{_one_line(e)}") from None
         return arr.reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
 
-    def hf_tensors(self, dtype: torch.dtype, progress=None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, tensor) for every weight, dequantized to float32 then cast to ``dtype``."""
+    def hf_tensors(self, dtype: torch.dtype, progress=None, native: bool = False) -> Iterator[tuple[str, object]]:
+        """Yield (HF name, tensor) for every weight, dequantized to float32 then cast to ``dtype``.
+
+        native: matrices in a type the native kernel runs (gguf_native.supported) come as a
+        gguf_native.NativePart instead, their blocks decoded but not dequantized (the embedding table
+        is always dequantized: it is looked up, not multiplied)."""
+        from . import gguf_native
+
         cfg = self.hf_config()
         permute = self.arch == "llama"
         for name, t in self.tensors.items():
@@ -160,6 +166,12 @@ class GGUFFile:
             if hf is None:
                 if name != ROPE_FREQS:
                     raise VerispecError(f"unexpected tensor {name!r} in GGUF file {self.path}")
+                continue
+            type_name, dims = t.tensor_type.name, [int(d) for d in t.shape.tolist()]
+            if native and len(dims) == 2 and hf != "model.embed_tokens.weight" and gguf_native.supported(type_name, dims[0]):
+                yield hf, self._native_part(t, type_name, dims, cfg, permute)
+                if progress is not None:
+                    progress.update(t.n_bytes)
                 continue
             arr = np.ascontiguousarray(self._dequantize(t), dtype=np.float32)
             w = torch.from_numpy(arr if arr.flags.writeable else arr.copy())
@@ -170,6 +182,21 @@ class GGUFFile:
             if progress is not None:
                 progress.update(t.n_bytes)
             yield hf, w.to(dtype)
+
+
+    def _native_part(self, t, type_name: str, dims: list[int], cfg: dict, permute: bool):
+        from . import gguf_native
+
+        K, N = dims
+        try:
+            q, scales = gguf_native.decode(np.asarray(t.data), type_name, N, K)
+        except (ValueError, TypeError) as e:
+            raise VerispecError(f"cannot decode tensor {t.name} ({type_name}) in {self.path}: {_one_line(e)}") from None
+        if permute and ".attn_q." in t.name:
+            q, scales = gguf_native.unpermute_rows(q, scales, cfg["num_attention_heads"])
+        elif permute and ".attn_k." in t.name:
+            q, scales = gguf_native.unpermute_rows(q, scales, cfg["num_key_value_heads"])
+        return gguf_native.NativePart(type_name, q, scales)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..errors import VerispecError
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -27,6 +28,16 @@ def can_pack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()
             and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+def can_run_native(device, dtype) -> bool:
+    """Whether GGUF matrices can stay quantized here (csrc/linear_gguf.cpp): CPU, bf16 or fp32, kernels built."""
+    if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if not kernels.available():
+        kernels.warn_missing("GGUF models load dequantized")
+        return False
+    return True
 
 
 def can_quantize(device) -> bool:
@@ -103,6 +114,7 @@ QUANT_BITS = {8: (pack_int8, "linear_int8"), 4: (pack_q4, "linear_q4")}  # bits 
 
 
 class Linear(nn.Linear):
+    native = None  # gguf_native.NativeWeight: the matrix kept in its GGUF blocks (weights="native")
     packed: torch.Tensor | None = None  # oneDNN blocked-layout weight
     qop = None  # torch.ops.verispec.linear_int8 / linear_q4 when the matrix is quantized
     qweights: tuple = ()  # the op's packed weight tensors (see pack_int8 / pack_q4)
@@ -111,6 +123,11 @@ class Linear(nn.Linear):
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
         self._drop_plain_weight()
+
+    def set_native(self, w) -> None:
+        """Use a GGUF matrix as it is (every call, any number of rows); the float weight goes away."""
+        self.native, self.weight = w, None
+        self.qweights, self.qop = w.tensors, None
 
     def quantize(self, bits: int) -> None:
         """Add an int8 (bits=8) or 4-bit (bits=4) copy used for calls of up to kernels.MAX_ROWS rows
@@ -126,11 +143,16 @@ class Linear(nn.Linear):
             self.weight = None
 
     def dense_weight(self) -> torch.Tensor:
+        if self.native is not None:
+            raise VerispecError("this matrix holds native GGUF weights (weights='native'): no float copy to "
+                                "restrict or re-quantize; load it with weights='dequantized'")
         if self.weight is not None:
             return self.weight
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            return kernels.ops.linear_gguf(x, *self.native.tensors, self.qbias)
         if self.qop is not None and x.numel() <= kernels.MAX_ROWS * x.shape[-1]:
             return self.qop(x, *self.qweights, self.qbias, self.out_features)
         if self.packed is not None:

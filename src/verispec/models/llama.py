@@ -193,7 +193,8 @@ class Transformer(nn.Module):
         if not linears or not can_quantize(self.embed_tokens.weight.device):
             return False
         for m in linears:
-            m.quantize(bits)
+            if m.native is None:  # GGUF matrices kept native are quantized already
+                m.quantize(bits)
         for layer in self.layers:
             layer._fused = None  # the fused layer's weight list is rebuilt from the new matrices
         self.fused_quantized = True

