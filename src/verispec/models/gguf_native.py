@@ -6,8 +6,9 @@ no value changes (``dequantize`` below gives back, in float64, exactly the weigh
 gives). A matrix is read at 4.5-8.5 bits per weight instead of bf16's 16.
 
 Each format is decoded to ``(q, scales)``: q the unsigned integer per weight, [N, K] uint8 in the file's
-element order, and scales [N, K / B, SB] uint8, the scale bytes of each block of B = 256 (or 128) weights in
-the kernel's layout (see the table at the top of linear_gguf.cpp). ``pack`` then tiles them.
+element order, and scales uint8, the scale fields in k order: [N, K/256, 20] (Q4_K/Q5_K: d, dmin, sc[8],
+mn[8]), [N, K/256, 18] (Q6_K: d, sc[16]) or [N, K/32, 2] (Q8_0/Q4_0/Q5_0: d); see the table at the top of
+linear_gguf.cpp. ``pack`` then re-orders q in the kernel's blocks (``blocks(K)``) and tiles both.
 """
 
 from __future__ import annotations
@@ -33,9 +34,15 @@ K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 SYMMETRIC_SHIFT = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # w = s * (q - c)
 
 
-def block_size(K: int) -> int:
-    """Weights per kernel block along K (gguf_block in the kernel)."""
-    return 256 if K % 256 == 0 else 128
+def blocks(K: int) -> list[tuple[int, int]]:
+    """(first k, size) of the kernel's blocks along K (Blocks in the kernel): 512s, then 256 and 128 for the
+    rest. Activations are quantized to int8 with one scale per block."""
+    out, k = [], 0
+    while k < K:
+        b = 512 if K - k >= 512 else (256 if K - k >= 256 else 128)
+        out.append((k, b))
+        k += b
+    return out
 
 
 def supported(type_name: str, K: int) -> bool:
@@ -64,9 +71,10 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def decode(raw: np.ndarray, type_name: str, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
     """A GGUF tensor's bytes ([N, K] weights in ``type_name``) -> (q [N, K] uint8, scales [N, K/B, SB] uint8)."""
+    if type_name not in KINDS:
+        raise ValueError(f"no native kernel for {type_name}")
     _, nbytes, per, _ = KINDS[type_name]
     blk = np.asarray(raw, dtype=np.uint8).reshape(N, K // per, nbytes)  # [N, nb, bytes]
-    B = block_size(K)
     if type_name in ("Q8_0", "Q4_0", "Q5_0"):
         d = blk[..., 0:2]  # [N, nb, 2] fp16 bytes
         if type_name == "Q8_0":
@@ -77,7 +85,7 @@ def decode(raw: np.ndarray, type_name: str, N: int, K: int) -> tuple[np.ndarray,
             qh = blk[..., 2:6].copy().view("<u4")  # [N, nb, 1]
             hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, nb, 32]
             q = _nibbles(blk[..., 6:]) | (hi << 4)
-        scales = d.reshape(N, K // B, B // 32 * 2)
+        scales = d  # [N, K/32, 2]
     elif type_name in ("Q4_K", "Q5_K"):
         d, dmin, sc12 = blk[..., 0:2], blk[..., 2:4], blk[..., 4:16]
         sc, mn = _k_scale_min(sc12)
@@ -94,15 +102,13 @@ def decode(raw: np.ndarray, type_name: str, N: int, K: int) -> tuple[np.ndarray,
         qh = qh.reshape(N, -1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)  # [N, nb, 2, 4, 32]
         q = (ql & 0x0F).reshape(N, -1, 256) | ((qh & 0x03).reshape(N, -1, 256) << 4)
         scales = np.concatenate([d, sc], axis=-1)  # [N, nb, 18]
-    else:
-        raise ValueError(f"no native kernel for {type_name}")
     return np.ascontiguousarray(q.reshape(N, K), dtype=np.uint8), np.ascontiguousarray(scales, dtype=np.uint8)
 
 
 def dequantize(q: np.ndarray, scales: np.ndarray, type_name: str) -> np.ndarray:
     """(q, scales) from decode -> the float64 weights [N, K] they stand for (tests, references)."""
     N, K = q.shape
-    B = block_size(K)
+    B = 32 if type_name not in K_QUANTS else 256  # one scale record per B weights
     qf = q.astype(np.float64).reshape(N, K // B, B)
     if type_name in ("Q4_K", "Q5_K"):
         d = scales[..., 0:2].copy().view(np.float16).astype(np.float64)  # [N, nb, 1]
@@ -115,43 +121,59 @@ def dequantize(q: np.ndarray, scales: np.ndarray, type_name: str) -> np.ndarray:
         s = np.repeat(d * scales[..., 2:18].view(np.int8), 16, axis=-1)
         w = s * (qf - 32)
     else:
-        d = scales.copy().view(np.float16).astype(np.float64)  # [N, nb, B/32]
-        w = np.repeat(d, 32, axis=-1) * (qf - SYMMETRIC_SHIFT[type_name])
+        d = scales.copy().view(np.float16).astype(np.float64)  # [N, K/32, 1]
+        w = d * (qf - SYMMETRIC_SHIFT[type_name])
     return w.reshape(N, K)
 
 
-def _lane_order(q: np.ndarray, B: int, nibbles: bool) -> np.ndarray:
-    """[N, K] -> [N, K/B, QB]: in each block, chunk c lane l byte j <- k = (B/16) l + 4c + j; nibbles pair chunks."""
+def _lane_order(q: np.ndarray, nibbles: bool) -> np.ndarray:
+    """[N, K] -> [N, K'] (K' = K or K/2) block after block: in a block of B, chunk c lane l byte j <- k =
+    (B/16) l + 4c + j; with nibbles, chunk 2v in the low and 2v + 1 in the high half of each byte."""
     N, K = q.shape
-    C = B // 64
-    x = q.reshape(N, K // B, LANES, C, 4).transpose(0, 1, 3, 2, 4)  # [N, nb, C, 16, 4]
-    if not nibbles:
-        return x.reshape(N, K // B, B)
-    x = x.reshape(N, K // B, C // 2, 2, 64)
-    return (x[..., 0, :] | (x[..., 1, :] << 4)).reshape(N, K // B, B // 2)
+    out = []
+    for k0, B in blocks(K):
+        C = B // 64
+        x = q[:, k0:k0 + B].reshape(N, LANES, C, 4).transpose(0, 2, 1, 3)  # [N, C, 16, 4]
+        if nibbles:
+            x = x.reshape(N, C // 2, 2, 64)
+            x = x[:, :, 0] | (x[:, :, 1] << 4)
+        out.append(x.reshape(N, -1))
+    return np.concatenate(out, axis=1)
 
 
 def _tiles(a: np.ndarray) -> np.ndarray:
-    """[N, nb, X] -> [N'/NR, nb, NR, X], rows zero-padded to whole tiles."""
+    """[N, X] -> [N'/NR, X'] with X' = NR * X, rows zero-padded to whole tiles; q additionally grouped by block."""
     N = a.shape[0]
     pad = -N % NR
     if pad:
         a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)])
-    return np.ascontiguousarray(a.reshape(-1, NR, *a.shape[1:]).transpose(0, 2, 1, 3))
+    return a.reshape(-1, NR, a.shape[1])
 
 
 @dataclass
 class Segment:
     type_name: str
     rows: int
-    q: np.ndarray  # [tiles, nb, NR, QB] uint8
-    s: np.ndarray  # [tiles, nb, NR, SB] uint8
+    q: np.ndarray  # [tiles, bytes per tile] uint8: block after block, NR rows each
+    s: np.ndarray  # [tiles, NR * scale bytes per row] uint8
 
 
 def pack(q: np.ndarray, scales: np.ndarray, type_name: str) -> Segment:
     """decode's (q, scales) -> one kernel segment."""
+    N, K = q.shape
+    if not supported(type_name, K):
+        raise ValueError(f"no native kernel for a {type_name} matrix with K = {K} (K-quants need K % 256 == 0, "
+                         "the others K % 128 == 0)")
     nib = KINDS[type_name][3]
-    return Segment(type_name, q.shape[0], _tiles(_lane_order(q, block_size(q.shape[1]), nib)), _tiles(scales))
+    lanes = _tiles(_lane_order(q, nib))  # [tiles, NR, K']
+    parts, at = [], 0
+    for _, B in blocks(K):  # per block: its NR rows together
+        width = B // 2 if nib else B
+        parts.append(lanes[:, :, at:at + width].reshape(lanes.shape[0], -1))
+        at += width
+    qt = np.ascontiguousarray(np.concatenate(parts, axis=1))
+    st = np.ascontiguousarray(_tiles(scales.reshape(N, -1)).reshape(qt.shape[0], -1))
+    return Segment(type_name, N, qt, st)
 
 
 @dataclass
@@ -182,11 +204,11 @@ class NativeWeight:
         self.out_features = sum(s.rows for s in segments)
         meta, qo, so = [], 0, 0
         for s in segments:
-            meta.append([KINDS[s.type_name][0], s.rows, s.q.shape[0], qo, so])
+            meta.append([KINDS[s.type_name][0], s.rows, s.q.shape[0], qo, so, in_features])
             qo, so = qo + s.q.size, so + s.s.size
         self.q = torch.from_numpy(np.concatenate([s.q.reshape(-1) for s in segments]))  # [bytes] uint8
         self.s = torch.from_numpy(np.concatenate([s.s.reshape(-1) for s in segments]))
-        self.meta = torch.tensor(meta, dtype=torch.int64)  # [segments, 5]
+        self.meta = torch.tensor(meta, dtype=torch.int64)  # [segments, 6]
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
