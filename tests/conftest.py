@@ -1,3 +1,4 @@
+import os
 import sys
 from pathlib import Path
 
@@ -6,6 +7,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 DEFAULT_THREADS = torch.get_num_threads()
+# tests write GGUF files of their own: no native-load cache entries for them in the user's cache
+# (tests/models/test_gguf_native.py turns it on, in a temporary cache, where it tests it)
+os.environ.setdefault("VERISPEC_NATIVE_CACHE", "0")
 
 
 @pytest.fixture(autouse=True)

@@ -35,9 +35,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="draft proposes only its N most frequent tokens: a cheaper LM head, lower acceptance "
                         "(default: 0 = all tokens); exactness is unaffected")
-    p.add_argument("--weights", default="dequantized", choices=["dequantized", "native"],
-                   help="GGUF models (the default pair too): 'native' runs Q4_K/Q6_K/Q8_0/... matrices as they are "
-                        "on CPU (int8 activations; faster), 'dequantized' converts them to --dtype (default)")
+    p.add_argument("--weights", default="auto", choices=["auto", "native", "dequantized"],
+                   help="GGUF target (the default one too): 'native' runs its Q4_K/Q6_K/Q8_0/... matrices as they are "
+                        "on CPU (int8 activations, 2x faster), 'dequantized' converts them to --dtype; auto (default): "
+                        "native on CPU in bfloat16")
+    p.add_argument("--draft-weights", default="dequantized", choices=["dequantized", "native"],
+                   help="the same for the draft model (default: dequantized, then --draft-quant)")
     p.add_argument("--draft-vocab-table", default=None, metavar="FILE",
                    help="token-frequency table for --draft-vocab (python -m verispec.draft_vocab)")
 
@@ -46,7 +49,7 @@ def engine_options(args) -> dict:
     """LLM(...) keyword arguments from the model flags."""
     return dict(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
                 draft_quant=args.draft_quant, draft_vocab=args.draft_vocab, draft_vocab_table=args.draft_vocab_table,
-                weights=args.weights)
+                weights=args.weights, draft_weights=args.draft_weights)
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:

@@ -88,7 +88,7 @@ class SpecConfig:
 
 
 DRAFT_QUANT_BITS = {"int8": 8, "int4": 4}
-WEIGHTS = ("dequantized", "native")  # how GGUF matrices are held (models/loader.py)
+WEIGHTS = ("auto", "native", "dequantized")  # how GGUF matrices are held (models/loader.py)
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,9 @@ class EngineConfig:
     draft_quant: str | None = "int8"  # int8 / int4: the draft model's matrices quantized (CPU); None: as loaded
     draft_vocab: int | None = None  # the draft's LM head kept to its N most frequent tokens (draft_vocab.py); None/0: all
     draft_vocab_table: str | None = None  # a frequency table file (python -m verispec.draft_vocab); None: packaged
-    weights: str = "dequantized"  # GGUF models: "native" keeps Q4_K/Q6_K/Q8_0/... matrices quantized (CPU kernels)
+    weights: str = "auto"  # GGUF target: "native" keeps Q4_K/Q6_K/Q8_0/... matrices quantized (CPU kernels); auto:
+    # native for a GGUF-sourced model (the default pair too) on CPU in bfloat16, else dequantized
+    draft_weights: str = "dequantized"  # the same for the draft model (dequantized: then draft_quant applies)
 
     def __post_init__(self):
         _check(self.draft_quant in (None, "none", *DRAFT_QUANT_BITS),
@@ -111,6 +113,8 @@ class EngineConfig:
         _check(self.draft_vocab is None or (_is_int(self.draft_vocab) and self.draft_vocab >= 0),
                f"draft_vocab must be an integer >= 0 (0 = the full vocabulary), got {self.draft_vocab!r}")
         _check(self.weights in WEIGHTS, f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        _check(self.draft_weights in WEIGHTS,
+               f"draft_weights must be one of {', '.join(WEIGHTS)}, got {self.draft_weights!r}")
         _check(self.dtype in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _check(self.device is None or self.device.split(":")[0] in DEVICES,
                f"device must be cpu or cuda, got {self.device!r}")

@@ -41,19 +41,21 @@ class LLM:
     the draft's matrices in int8 on CPU (``"int4"``: 4-bit): cheaper drafting, exactly the same output
     distribution. ``draft_vocab=N`` keeps the draft's LM head to its N most frequent tokens (FR-Spec; a table ships for the
     default draft, ``draft_vocab_table`` names another): cheaper draft steps, same output distribution, and
-    less acceptance (off by default). ``weights="native"`` keeps a GGUF model's quantized matrices in
+    less acceptance (off by default). ``weights="native"`` (the default, "auto", on CPU in bf16) keeps a GGUF
+    target's quantized matrices in
     their GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K; CPU): 4.5-8.5 bits read per weight instead of 16,
     int8 activations per block of 256, and each row's logits independent of how many rows a forward
-    carries, so greedy speculative output is bitwise the greedy AR output.
+    carries, so greedy speculative output is bitwise the greedy AR output (verify passes of up to 16
+    tokens). ``draft_weights`` does the same for the draft (default: dequantized, then ``draft_quant``).
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = None, dtype: str = "bfloat16",
                  device: str | None = None, threads: int | None = None, draft_quant: str | None = "int8",
-                 draft_vocab: int | None = None, draft_vocab_table: str | None = None, weights: str = "dequantized",
-                 progress: bool = True):
+                 draft_vocab: int | None = None, draft_vocab_table: str | None = None, weights: str = "auto",
+                 draft_weights: str = "dequantized", progress: bool = True):
         self.engine_config = EngineConfig(dtype=dtype, device=device, threads=threads, draft_quant=draft_quant,
                                           draft_vocab=draft_vocab, draft_vocab_table=draft_vocab_table,
-                                          weights=weights)
+                                          weights=weights, draft_weights=draft_weights)
         if threads:
             torch.set_num_threads(threads)
         self.device = self.engine_config.resolved_device()
@@ -73,7 +75,7 @@ class LLM:
             if self._draft_source is None:
                 raise VerispecError("this method needs a draft model: pass LLM(draft=...) or --draft")
             draft = load(self._draft_source, self.dtype, self.device, progress=self.progress,
-                         weights=self.engine_config.weights)
+                         weights=self.engine_config.draft_weights)
             check_same_vocabulary(self.target, draft)
             cfg = self.engine_config
             ids = draft_vocab.head_ids_for(self._draft_source, draft.config.vocab_size, cfg.draft_vocab,

@@ -85,6 +85,7 @@ def llms(ggufs):
         for d in DRAFTS:
             src = ggufs["target" if d == "same" else d]
             out[dtype, d] = LLM(target=str(ggufs["target"]), draft=str(src), dtype=dtype, weights="native",
+                                draft_weights="native",
                                 progress=False)
     return out
 
@@ -239,7 +240,8 @@ def v16_paths(tmp_path_factory):
 
 def make_v16_llm(v16_paths) -> LLM:
     target, draft = v16_paths
-    return LLM(target=str(target), draft=str(draft), dtype="float32", weights="native", draft_quant="none",
+    return LLM(target=str(target), draft=str(draft), dtype="float32", weights="native",
+               draft_weights="native", draft_quant="none",
                progress=False)
 
 

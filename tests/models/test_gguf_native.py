@@ -717,7 +717,8 @@ def test_weights_option_is_checked_and_ignored_where_it_cannot_apply(loaded, ggu
     table = tmp_path / "half.draft-vocab"
     save_table(table, torch.arange(264), 264)
     with pytest.raises(VerispecError, match="native"):  # a native draft's LM head cannot be restricted
-        LLM(target=path, draft=path, weights="native", draft_vocab=32, draft_vocab_table=str(table), progress=False)
+        LLM(target=path, draft=path, weights="native", draft_weights="native", draft_vocab=32,
+            draft_vocab_table=str(table), progress=False)
 
 
 def test_named_model_native_reads_its_gguf_file(ggufs, monkeypatch, tmp_path):
@@ -728,3 +729,27 @@ def test_named_model_native_reads_its_gguf_file(ggufs, monkeypatch, tmp_path):
     assert lm.source == "tiny-test" and lm.model.fused_quantized
     assert lm.model.layers[1].mlp.down_proj.native.types == ["Q4_K"]
     assert matrix_excess(lm, expected, "qwen2") <= 0
+
+
+def test_native_load_cache(ggufs, monkeypatch, tmp_path):
+    """A native load keeps the re-laid-out blocks in $VERISPEC_CACHE/native: the next load reads them back
+    (without parsing the GGUF file) and computes the same logits; a damaged entry is rebuilt."""
+    from verispec.models import gguf as gguf_mod
+    from verispec.models.loader import native_cache_dir
+
+    monkeypatch.setenv("VERISPEC_NATIVE_CACHE", "1")
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    path = ggufs["qwen2"][0]
+    first = load(str(path), torch.bfloat16, "cpu", progress=False, weights="native")
+    cache = native_cache_dir(path, torch.bfloat16)
+    assert (cache / "model.safetensors").is_file()
+    real = gguf_mod.GGUFFile
+    monkeypatch.setattr(gguf_mod, "GGUFFile", lambda *a, **k: pytest.fail("the cached load parsed the GGUF file"))
+    second = load(str(path), torch.bfloat16, "cpu", progress=False, weights="native")
+    assert second.model.fused_quantized and second.model.lm_head.native.types == ["Q6_K"]
+    assert torch.equal(model_logits(first, IDS), model_logits(second, IDS))
+    monkeypatch.setattr(gguf_mod, "GGUFFile", real)
+    (cache / "model.safetensors").write_bytes(b"damaged")
+    third = load(str(path), torch.bfloat16, "cpu", progress=False, weights="native")
+    assert torch.equal(model_logits(first, IDS), model_logits(third, IDS))
+    assert (cache / "model.safetensors").stat().st_size > 1000  # rewritten

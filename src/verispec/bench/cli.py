@@ -111,6 +111,11 @@ def _spec_runs(args, llm) -> list[tuple]:
     return runs
 
 
+def _native(model) -> list:
+    """The model's matrices kept in GGUF blocks (weights="native")."""
+    return [m.native for m in model.modules() if getattr(m, "native", None) is not None]
+
+
 def run_bench(args) -> int:
     from tqdm import tqdm
 
@@ -166,13 +171,17 @@ def run_bench(args) -> int:
     report = {
         "command": "verispec " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "verispec" else None,
         "target": args.target, "draft": llm.draft.source if llm.draft else None, "dtype": args.dtype,
-        "draft_quant": args.draft_quant, "weights": args.weights, "draft_vocab": llm.draft_vocab_rows, "device": llm.device, "max_new_tokens": n_new,
+        "draft_quant": args.draft_quant, "weights": "native" if _native(llm.target.model) else "dequantized",
+        "draft_weights": args.draft_weights, "draft_vocab": llm.draft_vocab_rows, "device": llm.device, "max_new_tokens": n_new,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": chat,
         "prompts": args.prompts or "built-in suite", "num_prompts": len(prompts),
         "environment": environment(), "time": time.strftime("%Y-%m-%d %H:%M:%S"), "complete": False,
         "runs": [], "peer_runs": [],
     }
     weight_bytes = llm.target.config.weight_bytes(llm.dtype.itemsize)
+    native = _native(llm.target.model)
+    # GGUF blocks read as they are (weights="native"): their own bytes instead of dtype's
+    weight_bytes += sum(w.nbytes - w.out_features * w.in_features * llm.dtype.itemsize for w in native)
 
     def finish(final: bool) -> None:
         if not report["runs"]:

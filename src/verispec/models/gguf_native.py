@@ -198,6 +198,16 @@ class NativeWeight:
     def from_parts(cls, parts: list[NativePart]) -> NativeWeight:
         return cls([pack(p.q, p.scales, p.type_name) for p in parts], parts[0].shape[1])
 
+    @classmethod
+    def from_tensors(cls, q: torch.Tensor, s: torch.Tensor, meta: torch.Tensor) -> NativeWeight:
+        """The inverse of ``tensors`` (a cached load)."""
+        w = cls.__new__(cls)
+        names = {v[0]: k for k, v in KINDS.items()}
+        w.q, w.s, w.meta = q, s, meta
+        w.types = [names[int(k)] for k in meta[:, 0]]
+        w.out_features, w.in_features = int(meta[:, 1].sum()), int(meta[0, 5])
+        return w
+
     def __init__(self, segments: list[Segment], in_features: int):
         self.in_features = in_features
         self.types = [s.type_name for s in segments]
