@@ -21,6 +21,16 @@ class _Parser(argparse.ArgumentParser):
         raise VerispecError(f"{self.prog.split()[-1] if ' ' in self.prog else 'verispec'}: {message}")
 
 
+def run_tool(parser: argparse.ArgumentParser, argv, body) -> int:
+    """``python -m verispec.<tool>``: parse, run ``body(args)``; a VerispecError is one line and exit 2."""
+    try:
+        body(parser.parse_args(argv))
+    except VerispecError as e:
+        print(f"verispec: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     from .models.registry import DEFAULT_TARGET
 

@@ -178,7 +178,7 @@ def expected_counts(model, prompts: list[list[int]], new_tokens: int, seed: int 
 
 
 def main(argv=None) -> int:
-    from .cli import EXIT_USAGE, _Parser
+    from .cli import _Parser, run_tool
 
     p = _Parser(prog="python -m verispec.draft_vocab",
                 description="Rank a draft model's tokens by expected frequency (FR-Spec).")
@@ -187,8 +187,8 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=160, help="tokens generated per seed prompt (default: 160)")
     p.add_argument("--keep", type=int, default=65536, help="ids stored, most frequent first (default: 65536)")
     p.add_argument("--seed", type=int, default=0)
-    try:
-        args = p.parse_args(argv)
+
+    def body(args):
         from .models.loader import load
         from .tokenizer import Codec
 
@@ -206,10 +206,8 @@ def main(argv=None) -> int:
         save_table(args.out, ranking, real)
         top = counts[ranking].sum() / counts.sum()
         print(f"wrote {args.out}: {len(ranking)} of {real} tokens, {top:.4f} of the expected mass")
-    except VerispecError as e:
-        print(f"verispec: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    return 0
+
+    return run_tool(p, argv, body)
 
 
 if __name__ == "__main__":

@@ -753,3 +753,21 @@ def test_native_load_cache(ggufs, monkeypatch, tmp_path):
     third = load(str(path), torch.bfloat16, "cpu", progress=False, weights="native")
     assert torch.equal(model_logits(first, IDS), model_logits(third, IDS))
     assert (cache / "model.safetensors").stat().st_size > 1000  # rewritten
+
+
+def test_auto_weights_pick_native_only_where_it_is_fast(ggufs, tiny_dirs):
+    """weights="auto" (the default): native for a GGUF file on CPU in bf16 with the AVX512-VNNI kernel;
+    dequantized in float32, for HF directories, and where only the portable (plain C++) path exists."""
+    path = str(ggufs["qwen2"][0])
+    auto = load(path, torch.bfloat16, "cpu", progress=False, weights="auto")
+    if "vnni" not in kernels.isa():
+        pytest.skip(f"no AVX512-VNNI here ({kernels.isa()}): auto loads dequantized")
+    assert auto.model.lm_head.native is not None
+    assert load(path, torch.float32, "cpu", progress=False, weights="auto").model.lm_head.native is None
+    hf = load(str(tiny_dirs["qwen2"]), torch.bfloat16, "cpu", progress=False, weights="auto")
+    assert all(getattr(m, "native", None) is None for m in hf.model.modules())
+    kernels.force_portable(True)
+    try:
+        assert load(path, torch.bfloat16, "cpu", progress=False, weights="auto").model.lm_head.native is None
+    finally:
+        kernels.force_portable(False)

@@ -59,7 +59,7 @@ def test_native_text_stays_close_to_the_bf16_model(llm):
     the first tokens of a code prompt agree."""
     from verispec import LLM, SamplingParams
 
-    plain = LLM(target=TARGET, progress=False)
+    plain = LLM(target=TARGET, weights="dequantized", progress=False)
     p = PROMPTS["code"]
     a = llm.generate(p["text"], SamplingParams(max_new_tokens=8), chat=p["chat"]).token_ids
     b = plain.generate(p["text"], SamplingParams(max_new_tokens=8), chat=p["chat"]).token_ids

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..cli import EXIT_USAGE, _Parser
+from ..cli import _Parser, run_tool
 from ..errors import VerispecError
 from ..models import loader
 from ..models.kv_cache import KVCache
@@ -64,15 +64,13 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default=DEFAULT_DRAFT[DEFAULT_TARGET])
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=31)
-    try:
-        args = ap.parse_args(argv)
+
+    def body(args):
         if args.context < 1 or args.repeats < 1:
             raise VerispecError("--context and --repeats must be >= 1")
         run(args)
-    except VerispecError as e:
-        print(f"verispec: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    return 0
+
+    return run_tool(ap, argv, body)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from ..config import WEIGHTS
 from ..errors import VerispecError
 from .config import ModelConfig
@@ -54,8 +55,9 @@ def load(source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
 
     if weights not in WEIGHTS:
         raise VerispecError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    if weights == "auto":
-        weights = "native" if dtype == torch.bfloat16 and can_run_native(device, dtype) else "dequantized"
+    if weights == "auto":  # native where its kernel is the fast one: AVX512-VNNI (the portable path is plain C++)
+        fast = dtype == torch.bfloat16 and can_run_native(device, dtype) and "vnni" in kernels.isa()
+        weights = "native" if fast else "dequantized"
     native = weights == "native"
     if source in registry.REGISTRY:
         if native:
