@@ -64,3 +64,41 @@ def test_native_text_stays_close_to_the_bf16_model(llm):
     a = llm.generate(p["text"], SamplingParams(max_new_tokens=8), chat=p["chat"]).token_ids
     b = plain.generate(p["text"], SamplingParams(max_new_tokens=8), chat=p["chat"]).token_ids
     assert a[:4] == b[:4], (a, b)
+
+
+def test_kernel_on_real_tensors_of_the_default_models():
+    """Every quant type of the default pair's GGUF files, 64 rows of a real tensor: the kernel equals the
+    float64 product over the rounded activations to fp32 accumulation size, and the exact float64
+    product within the stated activation-rounding bound."""
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+
+    from verispec import kernels
+    from verispec.models import gguf_native as gn
+    from verispec.models.registry import gguf_path
+
+    seen = set()
+    for name in (TARGET, DRAFT):
+        for t in GGUFReader(str(gguf_path(name, progress=False))).tensors:
+            kind, dims = t.tensor_type.name, [int(d) for d in t.shape]
+            if kind not in gn.KINDS or kind in seen or len(dims) != 2 or not gn.supported(kind, dims[0]):
+                continue
+            K, N = dims
+            if t.name == "token_embd.weight":  # looked up, not multiplied
+                continue
+            seen.add(kind)
+            q, s = gn.decode(np.asarray(t.data).reshape(N, -1)[:64], kind, 64, K)
+            W = gn.dequantize(q, s, kind)
+            x = torch.randn(5, K, generator=torch.Generator().manual_seed(0)) * 3
+            y = kernels.ops.linear_gguf(x, *gn.NativeWeight([gn.pack(q, s, kind)], K).tensors, None).double().numpy()
+            x_hat, bound = np.zeros((5, K)), np.zeros((5, 64))
+            for k0, B in gn.blocks(K):
+                xb = x[:, k0:k0 + B].numpy()
+                sb = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+                x_hat[:, k0:k0 + B] = np.clip(np.rint(xb * (np.float32(1) / sb)), -127, 127) * sb
+                bound += (sb / 2) @ np.abs(W[:, k0:k0 + B]).sum(-1, keepdims=True).T
+            scale = np.abs(x_hat) @ np.abs(W).T
+            assert np.abs(y - x_hat @ W.T).max() <= 1e-5 * scale.max(), (name, t.name, kind)
+            assert (np.abs(y - x.double().numpy() @ W.T) <= bound + 1e-5 * scale).all(), (name, t.name, kind)
+    assert seen == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
