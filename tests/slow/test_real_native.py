@@ -91,7 +91,7 @@ def test_kernel_on_real_tensors_of_the_default_models():
             q, s = gn.decode(np.asarray(t.data).reshape(N, -1)[:64], kind, 64, K)
             W = gn.dequantize(q, s, kind)
             x = torch.randn(5, K, generator=torch.Generator().manual_seed(0)) * 3
-            y = kernels.ops.linear_gguf(x, *gn.NativeWeight([gn.pack(q, s, kind)], K).tensors, None).double().numpy()
+            y = kernels.ops.linear_gguf(x, *gn.NativeWeight.from_segments([gn.pack(q, s, kind)], K).tensors, None).double().numpy()
             x_hat, bound = np.zeros((5, K)), np.zeros((5, 64))
             for k0, B in gn.blocks(K):
                 xb = x[:, k0:k0 + B].numpy()

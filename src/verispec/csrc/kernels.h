@@ -30,7 +30,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
 torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& d,
                         const torch::Tensor& mn, const c10::optional<torch::Tensor>& bias, int64_t N);
 // GGUF blocks used natively (linear_gguf.cpp): segments stacked along N, meta rows (kind, rows, tiles,
-// offset in q, offset in s)
+// offset in q, offset in s, K)
 int64_t gguf_block(int64_t K);
 torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                           const torch::Tensor& meta, const c10::optional<torch::Tensor>& bias);

@@ -193,16 +193,17 @@ class GGUFFile:
         except (ValueError, TypeError) as e:
             raise VerispecError(f"cannot decode tensor {t.name} ({type_name}) in {self.path}: {_one_line(e)}") from None
         if permute and ".attn_q." in t.name:
-            q, scales = gguf_native.unpermute_rows(q, scales, cfg["num_attention_heads"])
+            q, scales = (np.ascontiguousarray(_unpermute(a, cfg["num_attention_heads"])) for a in (q, scales))
         elif permute and ".attn_k." in t.name:
-            q, scales = gguf_native.unpermute_rows(q, scales, cfg["num_key_value_heads"])
+            q, scales = (np.ascontiguousarray(_unpermute(a, cfg["num_key_value_heads"])) for a in (q, scales))
         return gguf_native.NativePart(type_name, q, scales)
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
-    """Undo llama.cpp's Q/K row permutation: per head, rows stored as [hd/2, 2] go back to [2, hd/2]."""
+def _unpermute(w, n_head: int):
+    """Undo llama.cpp's Q/K row permutation: per head, rows stored as [hd/2, 2] go back to [2, hd/2].
+    A torch tensor or a numpy array (the rows of decoded native blocks: a row is whole weights either way)."""
     rows = w.shape[0]
-    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def _one_line(e: BaseException) -> str:

@@ -52,10 +52,6 @@ def supported(type_name: str, K: int) -> bool:
     return type_name not in K_QUANTS or K % 256 == 0
 
 
-def _f16_bytes(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(np.uint8)
-
-
 def _nibbles(qs: np.ndarray) -> np.ndarray:
     """[..., n] bytes -> [..., 2n]: the n low nibbles, then the n high nibbles (Q4_0 / Q5_0 / K-quant order)."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
@@ -70,7 +66,8 @@ def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def decode(raw: np.ndarray, type_name: str, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
-    """A GGUF tensor's bytes ([N, K] weights in ``type_name``) -> (q [N, K] uint8, scales [N, K/B, SB] uint8)."""
+    """A GGUF tensor's bytes ([N, K] weights in ``type_name``) -> (q [N, K] uint8, scales uint8, as in the
+    module docstring)."""
     if type_name not in KINDS:
         raise ValueError(f"no native kernel for {type_name}")
     _, nbytes, per, _ = KINDS[type_name]
@@ -142,7 +139,7 @@ def _lane_order(q: np.ndarray, nibbles: bool) -> np.ndarray:
 
 
 def _tiles(a: np.ndarray) -> np.ndarray:
-    """[N, X] -> [N'/NR, X'] with X' = NR * X, rows zero-padded to whole tiles; q additionally grouped by block."""
+    """[N, X] -> [N'/NR, NR, X], rows zero-padded to whole tiles."""
     N = a.shape[0]
     pad = -N % NR
     if pad:
@@ -181,7 +178,7 @@ class NativePart:
     """One GGUF matrix, decoded: what a loader holds before fusing parts (q/k/v, gate/up) into one matrix."""
     type_name: str
     q: np.ndarray  # [N, K] uint8
-    scales: np.ndarray  # [N, K/B, SB] uint8
+    scales: np.ndarray  # uint8, decode's layout
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -196,29 +193,25 @@ class NativeWeight:
 
     @classmethod
     def from_parts(cls, parts: list[NativePart]) -> NativeWeight:
-        return cls([pack(p.q, p.scales, p.type_name) for p in parts], parts[0].shape[1])
+        return cls.from_segments([pack(p.q, p.scales, p.type_name) for p in parts], parts[0].shape[1])
 
     @classmethod
-    def from_tensors(cls, q: torch.Tensor, s: torch.Tensor, meta: torch.Tensor) -> NativeWeight:
-        """The inverse of ``tensors`` (a cached load)."""
-        w = cls.__new__(cls)
-        names = {v[0]: k for k, v in KINDS.items()}
-        w.q, w.s, w.meta = q, s, meta
-        w.types = [names[int(k)] for k in meta[:, 0]]
-        w.out_features, w.in_features = int(meta[:, 1].sum()), int(meta[0, 5])
-        return w
-
-    def __init__(self, segments: list[Segment], in_features: int):
-        self.in_features = in_features
-        self.types = [s.type_name for s in segments]
-        self.out_features = sum(s.rows for s in segments)
+    def from_segments(cls, segments: list[Segment], in_features: int) -> NativeWeight:
         meta, qo, so = [], 0, 0
         for s in segments:
             meta.append([KINDS[s.type_name][0], s.rows, s.q.shape[0], qo, so, in_features])
             qo, so = qo + s.q.size, so + s.s.size
-        self.q = torch.from_numpy(np.concatenate([s.q.reshape(-1) for s in segments]))  # [bytes] uint8
-        self.s = torch.from_numpy(np.concatenate([s.s.reshape(-1) for s in segments]))
-        self.meta = torch.tensor(meta, dtype=torch.int64)  # [segments, 6]
+        return cls(torch.from_numpy(np.concatenate([s.q.reshape(-1) for s in segments])),
+                   torch.from_numpy(np.concatenate([s.s.reshape(-1) for s in segments])),
+                   torch.tensor(meta, dtype=torch.int64))
+
+    def __init__(self, q: torch.Tensor, s: torch.Tensor, meta: torch.Tensor):
+        """q, s: [bytes] uint8, every segment's tiles; meta: int64 [segments, 6] (kind, rows, tiles, q offset,
+        s offset, K): what the op takes, and all that describes the matrix (a cached load passes them back)."""
+        self.q, self.s, self.meta = q, s, meta
+        names = {v[0]: k for k, v in KINDS.items()}
+        self.types = [names[int(k)] for k in meta[:, 0]]
+        self.out_features, self.in_features = int(meta[:, 1].sum()), int(meta[0, 5])
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -227,11 +220,3 @@ class NativeWeight:
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.s.numel()
-
-
-def unpermute_rows(q: np.ndarray, scales: np.ndarray, n_head: int) -> tuple[np.ndarray, np.ndarray]:
-    """Undo llama.cpp's Q/K row permutation (llama architecture) on decoded rows: rows are whole weights."""
-    def f(a):
-        rows = a.shape[0]
-        return np.ascontiguousarray(a.reshape(n_head, rows // n_head // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape))
-    return f(q), f(scales)

@@ -89,11 +89,16 @@ def part_paths(entry: RegistryEntry) -> list[Path]:
     return paths
 
 
-def gguf_path(name: str, progress: bool = True) -> Path:
-    """The assembled GGUF file of ``name`` (native weights read it directly), assembling it if absent."""
+def _entry(name: str) -> RegistryEntry:
     entry = REGISTRY.get(name)
     if entry is None:
         raise VerispecError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
+    return entry
+
+
+def gguf_path(name: str, progress: bool = True) -> Path:
+    """The assembled GGUF file of ``name`` (native weights read it directly), assembling it if absent."""
+    entry = _entry(name)
     path = model_dir(name).parent / f"{name}.gguf"
     if not (path.is_file() and path.stat().st_size == entry.gguf_bytes):  # checked by sha256 when assembled
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -103,9 +108,7 @@ def gguf_path(name: str, progress: bool = True) -> Path:
 
 def pull(name: str, progress: bool = True) -> Path:
     """Make sure the converted directory for ``name`` exists; return it."""
-    entry = REGISTRY.get(name)
-    if entry is None:
-        raise VerispecError(f"unknown model {name!r}; known: {', '.join(REGISTRY)}")
+    entry = _entry(name)
     out = model_dir(name)
     if is_cached(name):
         return out
