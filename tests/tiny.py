@@ -95,10 +95,18 @@ def make_hf_model(arch: str, seed: int = 0, **overrides):
     return model
 
 
-def make_hf_dir(path: Path, arch: str = "qwen2", seed: int = 0, tokenizer: bool = True, **overrides) -> Path:
-    """Save a tiny random model of ``arch`` as an HF directory; return the path."""
+def make_hf_dir(path: Path, arch: str = "qwen2", seed: int = 0, tokenizer: bool = True, noise: float = 0.0,
+                **overrides) -> Path:
+    """Save a tiny random model of ``arch`` as an HF directory; return the path. ``noise``: add that much
+    Gaussian noise (seeded 1) to every matrix, e.g. a "near" draft of the seed's model."""
     path = Path(path)
     model = make_hf_model(arch, seed, **overrides)
+    if noise:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.add_(noise * torch.randn(p.shape, generator=g))
     model.save_pretrained(str(path), safe_serialization=True)
     if tokenizer:
         byte_tokenizer().save_pretrained(str(path))

@@ -68,6 +68,11 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     a.add_argument("--adaptive", dest="adaptive", action="store_true", default=False,
                    help="choose K per round from live acceptance and costs, up to --num-draft-tokens")
     a.add_argument("--no-adaptive", dest="adaptive", action="store_false", help="fixed K (default)")
+    e = p.add_mutually_exclusive_group()
+    e.add_argument("--early-stop", dest="early_stop", action="store_true", default=True,
+                   help="the draft model ends a round before K once its own confidence says another token is not "
+                        "worth a draft step and a verify row (default)")
+    e.add_argument("--no-early-stop", dest="early_stop", action="store_false", help="always draft K tokens")
     p.add_argument("--min-draft-tokens", type=int, default=1, help="smallest K an adaptive round may use (default: 1)")
     p.add_argument("--ngram-max", type=int, default=4, help="n-gram lookup: longest suffix tried first (default: 4)")
     p.add_argument("--ngram-min", type=int, default=1, help="n-gram lookup: shortest suffix that may match (default: 1)")
@@ -75,7 +80,7 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def spec_options(args) -> dict:
     return dict(adaptive=args.adaptive, min_draft_tokens=args.min_draft_tokens, ngram_min=args.ngram_min,
-                ngram_max=args.ngram_max)
+                ngram_max=args.ngram_max, early_stop=args.early_stop)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:

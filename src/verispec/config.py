@@ -74,6 +74,7 @@ class SpecConfig:
     min_draft_tokens: int = 1  # the smallest K an adaptive round may use
     ngram_min: int = 1  # n-gram lookup: shortest suffix that may match
     ngram_max: int = 4  # n-gram lookup: longest suffix tried first
+    early_stop: bool = True  # the draft model ends a round before K when its confidence says another token won't pay
 
     def __post_init__(self):
         _check(isinstance(self.method, str) and bool(self.method), f"method must be a name, got {self.method!r}")
@@ -85,6 +86,7 @@ class SpecConfig:
         _check(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
                f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
         _check(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
+        _check(isinstance(self.early_stop, bool), f"early_stop must be True or False, got {self.early_stop!r}")
 
 
 DRAFT_QUANT_BITS = {"int8": 8, "int4": 4}

@@ -34,6 +34,7 @@ class DecodeContext:
     logit_mask: torch.Tensor | None = None  # [V] bool: padding rows that may never be sampled
     drafter: Drafter | None = None
     num_draft_tokens: int = 0  # K
+    verify_s: dict[int, float] = field(default_factory=dict)  # verify size T -> recent seconds of a round outside drafting
 
 
 @dataclass
@@ -119,6 +120,11 @@ def autoregressive(ctx: DecodeContext) -> Iterator[list[int]]:
         token = next_token(logits[:, -1], ctx.params, ctx.generator)  # [1]
 
 
+def _note(table: dict[int, float], key: int, seconds: float) -> None:
+    old = table.get(key)
+    table[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+
 def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
     """Draft up to K tokens, verify them in one target forward, commit the accepted run plus one token."""
     # Report K positions (None where never reached) even if the budget or a stop ends the run first.
@@ -128,6 +134,7 @@ def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
     context = ctx.prompt[0].tolist() + [last.item()]
     yield context[-1:]
     capacity = ctx.cache.capacity
+    last_round = None  # (verify size, end of its drafting)
     while True:
         K = min(ctx.num_draft_tokens, ctx.params.max_new_tokens - (len(context) - ctx.prompt.shape[1]) - 1)
         if K < 1:  # one token left to produce: a plain target step
@@ -138,10 +145,15 @@ def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
             continue
         # 1. propose: up to K draft tokens and their distributions q (fewer, or none, is allowed)
         t0 = time.perf_counter()
+        if last_round:  # what the last round cost outside drafting (verify, bookkeeping), by verify size
+            _note(ctx.verify_s, last_round[0], t0 - last_round[1])
         draft = ctx.drafter.propose(DraftRequest(context, K, ctx.params, ctx.generator, capacity,
-                                                 ctx.target.config.vocab_size, ctx.logit_mask, last.device))
-        ctx.stats.draft_s += time.perf_counter() - t0
+                                                 ctx.target.config.vocab_size, ctx.logit_mask, last.device,
+                                                 ctx.verify_s))
+        t_drafted = time.perf_counter()
+        ctx.stats.draft_s += t_drafted - t0
         K = draft.tokens.shape[1]
+        last_round = (K + 1, t_drafted)
         # 2. verify: one target forward over the last committed token and the K drafts -> p_1..p_{K+1}
         start = ctx.cache.length
         logits = timed_forward(ctx, torch.cat([last[:, None], draft.tokens], dim=1))  # [1, K+1, V]

@@ -66,6 +66,7 @@ class LLM:
         self.logit_mask = padding_mask(self.target, self.device)  # [V] bool or None
         self._draft_source = draft or DEFAULT_DRAFT.get(target)
         self.draft: LoadedModel | None = None
+        self.draft_calibrations: dict = {}  # the draft model's confidence -> acceptance, per sampling setting
         if draft:
             self.draft_model()
 

@@ -65,18 +65,23 @@ def test_bench_speculative_rows(tiny_dirs, tmp_path, prompt_file, capsys):
     plot = tmp_path / "bench.png"
     rc, report = bench(tmp_path, "--target", t, "--draft", t, "--draft-quant", "none", "--quick", "--prompts",
                        prompt_file, "--peers", "none", "--methods", "ar,draft", "--num-draft-tokens", "2,3",
-                       "--plot", str(plot))
+                       "--early-stop", "both", "--plot", str(plot))
     assert rc == 0
     assert len({r["prompt_id"] for r in report["runs"]}) == 2  # --quick: one prompt per category
     overall = report["summary"]["overall"]
-    assert set(overall) == {"ar", "draft:K=2", "draft:K=3"}
-    for lb in ("draft:K=2", "draft:K=3"):
+    assert set(overall) == {"ar", "draft:K=2", "draft:K=3", "draft:K=2:full", "draft:K=3:full"}
+    for lb in ("draft:K=2", "draft:K=3"):  # rounds may end early (a flat random draft: after one token)
         m = overall[lb]
+        assert m["alpha"] == 1.0 and m["identical_to_ar"] == 2 and m["predicted_speedup"] is None
+        assert 1.0 <= m["drafts_per_round"] <= int(lb[-1])
+    for K, lb in ((2, "draft:K=2:full"), (3, "draft:K=3:full")):
+        m = overall[lb]
+        assert K - 0.5 < m["drafts_per_round"] <= K  # K every round (the last may be cut by the budget)
         # the draft is the target itself: every draft accepted, output identical to AR, tau = K+1 (bar the end)
         assert m["alpha"] == 1.0 and m["identical_to_ar"] == 2
         assert m["tau"] > 2.0 and m["cost_ratio_c"] > 0 and m["predicted_speedup"] > 0
-        assert m["per_position_acceptance"] == [1.0] * int(lb[-1])
-        assert m["per_position_joint"] == [1.0] * int(lb[-1])
+        assert m["per_position_acceptance"] == [1.0] * K
+        assert m["per_position_joint"] == [1.0] * K
     assert report.get("peers") == {}
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert "best in overall" in capsys.readouterr().out

@@ -95,7 +95,9 @@ def ar(llm, prompt, **kw):
 
 
 def spec(llm, prompt, method="draft", K=4, opts=None, **kw):
-    return llm.generate(prompt, SamplingParams(**kw), method=method, num_draft_tokens=K, **(opts or {}))
+    """Always K drafts a round unless opts say otherwise (early stops: test_early_stop.py)."""
+    opts = {"early_stop": False, **(opts or {})}
+    return llm.generate(prompt, SamplingParams(**kw), method=method, num_draft_tokens=K, **opts)
 
 
 def best_forwards(n: int, K: int) -> int:

@@ -35,6 +35,7 @@ from exact_helpers import ALPHA, chi2_pvalue, naive_probs, use_fused_quantized_d
 from tiny import make_hf_model
 from verispec import LLM, SamplingParams
 from verispec.draft_vocab import save_table
+from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.sampling import logits_to_probs
 
 V = 16
@@ -164,8 +165,9 @@ def exact_joint(tables, params: SamplingParams) -> np.ndarray:
     return joint / joint.sum()
 
 
-def draw(llm, K: int, params: SamplingParams, n: int, first_seed: int = 0):
-    """n generations -> (counts of the first three tokens [V, V, V], acceptance rate over all of them)."""
+def draw(llm, K: int, params: SamplingParams, n: int, first_seed: int = 0, rounds: list | None = None):
+    """n generations -> (counts of the first three tokens [V, V, V], acceptance rate over all of them);
+    ``rounds`` collects (rounds with drafts, drafted tokens) per generation."""
     counts = np.zeros((V, V, V), dtype=np.int64)
     accepted = drafted = 0
     for seed in range(first_seed, first_seed + n):
@@ -175,6 +177,8 @@ def draw(llm, K: int, params: SamplingParams, n: int, first_seed: int = 0):
         counts[a, b, c] += 1
         accepted += out.stats["accepted_tokens"]
         drafted += out.stats["drafted_tokens"]
+        if rounds is not None:
+            rounds.append((out.stats["per_position_reached"][0], out.stats["drafted_tokens"]))
     return counts, accepted / drafted
 
 
@@ -321,3 +325,29 @@ def test_copied_verifier_passes(table_llms, tables, monkeypatch):
     counts, _ = draw(table_llms[draft], K, params, N_NEG)
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p > ALPHA, f"p = {p:.3g}"
+
+
+def varied_stop(self, confidences, request) -> bool:
+    """A draft-side early-stop rule (the draft's confidence digits) that ends about half the rounds early."""
+    return int(confidences[-1] * 1e7) % 2 == 0
+
+
+@pytest.mark.parametrize("bug", [None, "always_accept"])
+def test_early_stops_keep_the_exact_distribution(table_llms, tables, monkeypatch, bug):
+    """Rounds that end before K (DraftModelDrafter.stop_now, here a rule ending them at varied points) leave
+    the law exactly p; the same draws through an always-accepting verifier are rejected (negative control)."""
+    monkeypatch.setattr(DraftModelDrafter, "stop_now", varied_stop)
+    if bug:
+        monkeypatch.setattr(verispec.decoding, "verify", variant_verify(bug))
+    draft, K, kw = CASES["top_p0.8-K2"]
+    params = SamplingParams(**kw)
+    rounds = []
+    counts, acceptance = draw(table_llms[draft], K, params, N_NEG if bug else N, first_seed=900_000, rounds=rounds)
+    r, d = map(sum, zip(*rounds))
+    assert 1.1 < d / r < K - 0.1, f"{d} drafts in {r} rounds: the stops were not varied"
+    p = chi2_pvalue(counts, exact_joint(tables, params))
+    if bug:
+        assert p < ALPHA, f"always-accept with early stops not detected: p = {p:.3g}"
+    else:
+        assert 0.6 < acceptance < 0.98, acceptance
+        assert p > ALPHA, f"early stops: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from exact_helpers import use_fused_quantized_draft
-from tiny import EOS_ID, byte_tokenizer, make_hf_dir, make_hf_model
+from tiny import EOS_ID, make_hf_dir
 from verispec import LLM, SamplingParams
 from verispec.draft_vocab import save_table
 
@@ -37,15 +37,7 @@ def draft_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("drafts")
     out = {}
     for arch in ARCHS:
-        near = make_hf_model(arch, 0)
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in near.parameters():
-                if p.dim() == 2:
-                    p.add_(0.01 * torch.randn(p.shape, generator=g))
-        near.save_pretrained(str(root / f"near_{arch}"))
-        byte_tokenizer().save_pretrained(str(root / f"near_{arch}"))
-        out[arch, "near"] = root / f"near_{arch}"
+        out[arch, "near"] = make_hf_dir(root / f"near_{arch}", arch, 0, noise=0.01)
     out["qwen2", "other"] = make_hf_dir(root / "llama_s5", "llama", seed=5)
     out["llama", "other"] = make_hf_dir(root / "qwen2_s6", "qwen2", seed=6)
     return out
@@ -86,7 +78,8 @@ def ar(llm, prompt, **kw):
 
 
 def spec(llm, prompt, K, **kw):
-    return llm.generate(prompt, SamplingParams(**kw), method="draft", num_draft_tokens=K)
+    """Always K drafts a round (early stops: test_early_stop.py), so the round structure checks below hold."""
+    return llm.generate(prompt, SamplingParams(**kw), method="draft", num_draft_tokens=K, early_stop=False)
 
 
 def produced(stats) -> int:
@@ -221,7 +214,8 @@ def test_stream_concatenates_to_generate(llms, draft, kw):
     llm = llms["qwen2", draft]
     for prompt in ["Stream me: ", "héllo wörld "]:
         out = spec(llm, prompt, 3, **kw)
-        pieces = list(llm.stream(prompt, SamplingParams(**kw), method="draft", num_draft_tokens=3))
+        pieces = list(llm.stream(prompt, SamplingParams(**kw), method="draft", num_draft_tokens=3,
+                                 early_stop=False))
         assert all(isinstance(p, str) and p for p in pieces)
         assert "".join(pieces) == out.text
         assert llm.last_output.token_ids == out.token_ids

@@ -2,7 +2,7 @@
 
 import pytest
 
-from verispec.adaptive import DraftLengthController
+from verispec.adaptive import Calibration, DraftLengthController, verify_seconds, worth_another_draft
 from verispec.costmodel import expected_tokens_per_round
 
 
@@ -74,3 +74,55 @@ def test_verify_time_between_measured_sizes():
 def test_bad_bounds():
     with pytest.raises(ValueError):
         DraftLengthController(3, 2)
+
+
+def test_verify_seconds_interpolates_and_extends_measured_sizes():
+    table = {2: 0.10, 4: 0.12, 8: 0.20}
+    assert verify_seconds(table, 4) == 0.12
+    assert verify_seconds(table, 3) == pytest.approx(0.11)  # between measured sizes: linear
+    assert verify_seconds(table, 6) == pytest.approx(0.16)
+    assert verify_seconds(table, 10) == pytest.approx(0.24)  # past them: the slope of the last two
+    assert verify_seconds(table, 1) == pytest.approx(0.09)  # below them: the slope of the first two
+    assert verify_seconds({2: 0.10, 3: 0.09}, 6) == pytest.approx(0.09)  # a noisy negative slope: flat
+    assert verify_seconds({2: 0.1}, 5) == pytest.approx(0.1 * (1 + 0.03 * 4) / 1.03)  # one size: the prior slope
+
+
+def _rate(confidences, t_draft, verify):
+    joint, run = [], 1.0
+    for q in confidences:
+        run *= q
+        joint.append(run)
+    return (1 + sum(joint)) / (len(confidences) * t_draft + verify(len(confidences) + 1))
+
+
+@pytest.mark.parametrize("q", [0.05, 0.3, 0.6, 0.8, 0.95, 0.999])
+@pytest.mark.parametrize("t_draft", [0.002, 0.01, 0.02, 0.05])
+@pytest.mark.parametrize("slope", [0.0, 0.05, 0.3])
+def test_worth_another_draft_is_the_cost_model(q, t_draft, slope):
+    """One more draft (assumed accepted as often as the last) iff it raises the expected rate."""
+    table = {T: 0.05 * (1 + slope * (T - 1)) for T in range(1, 12)}
+    for confidences in ([q], [0.9, q], [0.99, 0.9, 0.8, q]):
+        more = _rate(confidences + [confidences[-1]], t_draft, table.__getitem__)
+        assert worth_another_draft(confidences, t_draft, table) == (more > _rate(confidences, t_draft, table.__getitem__))
+
+
+def test_worth_another_draft_directions():
+    flat = {T: 0.05 for T in range(1, 12)}
+    assert worth_another_draft([0.95], 0.01, flat)  # a sure, cheap draft goes on
+    assert not worth_another_draft([0.2], 0.01, flat)  # a hesitant one stops
+    assert not worth_another_draft([0.95], 0.2, flat)  # a draft step dearer than a target step: stop
+    steep = {T: 0.05 * (1 + 0.5 * (T - 1)) for T in range(1, 12)}
+    assert worth_another_draft([0.8], 0.01, flat) and not worth_another_draft([0.8], 0.01, steep)  # dear rows
+    assert not worth_another_draft([0.95, 0.3], 0.01, flat)  # the joint chance decides, not the first alone
+
+
+def test_calibration_starts_at_the_confidence_and_follows_verdicts():
+    cal = Calibration(bins=10, prior=2.0)
+    assert cal(0.62) == pytest.approx(0.65) and cal(0.0) == pytest.approx(0.05) and cal(1.0) == pytest.approx(0.95)
+    for _ in range(200):  # an under-confident draft: tokens drafted at 0.6-0.7 are always accepted
+        cal.observe([0.99, 0.65], num_accepted=2)
+    assert cal(0.65) > 0.98 and cal(0.99) > 0.98
+    for _ in range(200):  # the second draft now always rejected; a third, never judged, counts for nothing
+        cal.observe([0.99, 0.35, 0.95], num_accepted=1)
+    assert cal(0.35) < 0.02
+    assert cal.judged[9] == 2.0 + 400  # the 0.95 after a rejection was never judged

@@ -90,13 +90,13 @@ def test_stats_are_consistent(llm, K, kw):
 def test_stats_same_and_unrelated_drafts(dirs):
     same = LLM(target=dirs["target"], draft=dirs["target"], dtype="float32", draft_quant="none")  # truly the same
     s = same.generate("Stats: ", SamplingParams(max_new_tokens=31, ignore_eos=True), method="draft",
-                      num_draft_tokens=5).stats
+                      num_draft_tokens=5, early_stop=False).stats
     check_stats(s, 5)
     assert s["acceptance_rate"] == 1.0 and s["per_position_acceptance"] == [1.0] * 5
     assert s["target_forwards"] == 1 + math.ceil(30 / 6)
     other = LLM(target=dirs["target"], draft=dirs["other"], dtype="float32")
     s = other.generate("Stats: ", SamplingParams(max_new_tokens=31, ignore_eos=True), method="draft",
-                       num_draft_tokens=5).stats
+                       num_draft_tokens=5, early_stop=False).stats
     check_stats(s, 5)
     assert s["acceptance_rate"] < 0.25
     ar = other.generate("Stats: ", SamplingParams(max_new_tokens=31, ignore_eos=True)).stats

@@ -32,6 +32,9 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--adaptive", action="store_true",
                    help="also run each fixed-K method with adaptive K (label METHOD:K<=max)")
     b.add_argument("--min-draft-tokens", type=int, default=1, help="smallest K an adaptive round may use")
+    b.add_argument("--early-stop", default="on", choices=["on", "off", "both"],
+                   help="draft-model rounds end early when the draft is unsure (on, the default); off: always K; "
+                        "both: run each draft-model method both ways (off labelled METHOD:K=k:full)")
     b.add_argument("--ngram-max", type=int, default=4, help="n-gram lookup: longest suffix tried first")
     b.add_argument("--ngram-min", type=int, default=1, help="n-gram lookup: shortest suffix that may match")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -82,7 +85,8 @@ def _spec_runs(args, llm) -> list[tuple]:
 
     from ..config import SpecConfig
 
-    opts = dict(min_draft_tokens=args.min_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max)
+    opts = dict(min_draft_tokens=args.min_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+                early_stop=args.early_stop != "off")
     ks = _int_list(args.num_draft_tokens, "--num-draft-tokens")
     SpecConfig("check", max(ks), **opts)  # bad option values: a one-line error before anything loads
     if args.methods is None:  # ar plus every speculative method whose drafter can be built here
@@ -103,12 +107,20 @@ def _spec_runs(args, llm) -> list[tuple]:
     runs = []  # (label, SpecConfig): fixed K per value; adaptive (and self-adapting drafters) up to the largest
     for name in names:
         # building it loads the draft model now, not inside a timed run; errors surface here
-        adapts = getattr(drafters.METHODS[name](llm, SpecConfig(name, max(ks), **opts)), "adaptive", False)
-        if not adapts:
-            runs += [(f"{name}:K={k}", SpecConfig(name, k, **opts)) for k in ks]
+        drafter = drafters.METHODS[name](llm, SpecConfig(name, max(ks), **opts))
+        adapts = getattr(drafter, "adaptive", False)
+        labelled = [(f"{name}:K={k}", SpecConfig(name, k, **opts)) for k in ks] if not adapts else []
         if adapts or args.adaptive:
-            runs.append((f"{name}:K<={max(ks)}", SpecConfig(name, max(ks), adaptive=True, **opts)))
+            labelled.append((f"{name}:K<={max(ks)}", SpecConfig(name, max(ks), adaptive=True, **opts)))
+        runs += labelled
+        if args.early_stop == "both" and _stops_early(drafter):
+            runs += [(f"{label}:full", dataclasses.replace(spec, early_stop=False)) for label, spec in labelled]
     return runs
+
+
+def _stops_early(drafter) -> bool:
+    """Whether the drafter, or one it delegates to (auto), ends rounds early (DraftModelDrafter.early_stop)."""
+    return any(getattr(d, "early_stop", False) for d in (drafter, *getattr(drafter, "drafters", {}).values()))
 
 
 def _native(model) -> list:

@@ -35,6 +35,7 @@ def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: l
         rec = _record(prompt, ids, name, spec.method, spec.num_draft_tokens, out.stats, out.token_ids == ar.token_ids)
         rec["speedup"] = ar.stats["wall_s"] / out.stats["wall_s"]
         rec["adaptive"] = spec.adaptive
+        rec["early_stop"] = spec.early_stop
         runs.append(rec)
     return runs, peer_runs
 

@@ -11,18 +11,23 @@ from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter, NgramIndex
 
 
+def _draft_model(llm, spec) -> DraftModelDrafter:
+    """The draft model; its confidence calibration (early stops) is kept by the LLM across requests."""
+    return DraftModelDrafter(llm.draft_model().model, spec.early_stop, llm.draft_calibrations)
+
+
 def _auto(llm, spec) -> AutoDrafter:
     """Every drafter that can run here, cheapest first (n-gram; the draft model when there is one)."""
     candidates = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
     try:
-        candidates["draft"] = DraftModelDrafter(llm.draft_model().model)
+        candidates["draft"] = _draft_model(llm, spec)
     except VerispecError:
         pass  # no draft model for this target: n-gram lookup alone
     return AutoDrafter(candidates, spec.min_draft_tokens, spec.num_draft_tokens)
 
 
 METHODS = {
-    "draft": lambda llm, spec: DraftModelDrafter(llm.draft_model().model),
+    "draft": lambda llm, spec: _draft_model(llm, spec),
     "ngram": lambda llm, spec: NgramDrafter(spec.ngram_min, spec.ngram_max),
     "auto": _auto,
 }

@@ -2,7 +2,10 @@
 
 Each round it first catches up on the committed tokens it has not seen (the recovered or bonus
 token, plus the last drafted token after a fully accepted round), in one forward, then samples K
-tokens with the same temperature / top-k / top-p transform as the target.
+tokens with the same temperature / top-k / top-p transform as the target. With ``early_stop`` it ends
+the round before K once the draft's own confidence says one more token is not worth a draft step and a
+verify row (adaptive.worth_another_draft); the verifier is the same whatever the draft length, so this
+changes the speed, never the output.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from ..adaptive import Calibration, worth_another_draft
 from ..models.kv_cache import KVCache
 from ..models.llama import Transformer
 from ..sampling import logits_to_probs, mask_logits
@@ -19,8 +23,15 @@ from .base import Draft, DraftRequest
 
 
 class DraftModelDrafter:
-    def __init__(self, model: Transformer):
+    def __init__(self, model: Transformer, early_stop: bool = True, calibrations: dict | None = None):
         self.model = model
+        self.early_stop = early_stop
+        self.t_draft: float | None = None  # recent seconds per draft step (catch-ups excluded)
+        # sampling settings -> Calibration (confidence -> chance of acceptance); pass one dict to keep learning
+        # across requests (LLM does)
+        self.calibrations = {} if calibrations is None else calibrations
+        self.calibration: Calibration | None = None  # this request's
+        self.confidences: list[float] = []  # this round's, one per proposed token (early_stop only)
         self.cache: KVCache | None = None  # holds context[:cache.length]; the engine's context is the truth
         self.num_proposed = 0  # K of this round, for update()
         self.catch_up = (0, 0.0)  # (tokens, seconds) of this round's first forward: the catch-up and draft 1
@@ -37,21 +48,43 @@ class DraftModelDrafter:
         # 1. catch up: feed the committed tokens the draft cache lacks (all of the prompt, first time)
         tokens = torch.tensor([ctx[self.cache.length:]], device=device)  # [1, T]
         tokens_out, probs_out = [], []
-        t0 = time.perf_counter()
+        self.confidences = []
+        if self.early_stop and self.calibration is None:
+            p = request.params
+            self.calibration = self.calibrations.setdefault((p.temperature, p.top_k, p.top_p), Calibration())
         for i in range(K):
+            t0, fed = time.perf_counter(), tokens.shape[1]
             logits = fit_vocab(self._forward(tokens), request.vocab_size, request.logit_mask)  # [1, V]
-            if i == 0:
-                self.catch_up = (tokens.shape[1], time.perf_counter() - t0)
             probs = None if request.params.greedy else logits_to_probs(logits, request.params)  # [1, V]
             token = logits.argmax(-1) if probs is None else torch.multinomial(probs, 1, generator=request.generator)[:, 0]
             tokens_out.append(token)
             if probs is not None:
                 probs_out.append(probs)
             tokens = token[:, None]  # [1, 1]
-        self.num_proposed = K
+            # 2. the first forward carries the catch-up; the others are plain draft steps
+            seconds = time.perf_counter() - t0
+            if i == 0:
+                self.catch_up = (fed, seconds)
+            else:
+                self.t_draft = seconds if self.t_draft is None else 0.8 * self.t_draft + 0.2 * seconds
+            # 3. early stop: is one more draft token worth its draft step and verify row?
+            if self.early_stop:
+                self.confidences.append(confidence(logits, probs))
+                if i + 1 < K and self.stop_now(self.confidences, request):
+                    break
+        self.num_proposed = len(tokens_out)
         draft_tokens = torch.stack(tokens_out, dim=1)  # [1, K]
         draft_probs = torch.stack(probs_out, dim=1) if probs_out else None  # [1, K, V] or None (greedy)
         return Draft(draft_tokens, draft_probs)
+
+    def stop_now(self, confidences: list[float], request: DraftRequest) -> bool:
+        """End the round after the drafts so far (confidences: q's maximum at each)? Any rule that looks only at
+        the draft's side keeps the output exact; this one weighs one more draft by the cost model, with the
+        chances of acceptance that this pair's verdicts so far give those confidences."""
+        if self.t_draft is None or not request.verify_s:
+            return False  # nothing measured yet: draft K
+        chances = [self.calibration(q) for q in confidences]
+        return not worth_another_draft(chances, self.t_draft, request.verify_s)
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed tokens [1, T] at the next positions; return the last position's logits [1, V]."""
@@ -61,10 +94,21 @@ class DraftModelDrafter:
         return logits[:, -1]
 
     def update(self, num_accepted: int) -> None:
-        # The cache holds the context plus the first K-1 drafts (the last draft was never fed back in);
+        # The cache holds the context plus the first K-1 of the K proposed drafts (the last draft was never fed back in);
         # keep the context and the accepted ones. The rest is fed next round from the committed context.
         K = self.num_proposed
+        if self.confidences:
+            self.calibration.observe(self.confidences, num_accepted)
         self.cache.truncate(self.cache.length - (K - 1) + min(num_accepted, K - 1))
+
+
+def confidence(logits: torch.Tensor, probs: torch.Tensor | None) -> float:
+    """The draft's probability of its most likely token: q's maximum when sampling, softmax(logits)'s when
+    greedy (logits [1, V], probs [1, V] or None)."""
+    if probs is not None:
+        return probs.max().item()
+    logits = logits.float()
+    return (logits.max() - torch.logsumexp(logits, -1)[0]).exp().item()
 
 
 def fit_vocab(logits: torch.Tensor, vocab_size: int, mask: torch.Tensor | None) -> torch.Tensor:

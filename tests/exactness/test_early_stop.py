@@ -1,0 +1,127 @@
+"""Early stops (the draft model ending a round before K) never change greedy output.
+
+Any rule that looks only at the draft's side keeps speculative decoding exact; what varies is how many
+tokens a round proposes, so the draft cache's rollback and the target cache's truncation must hold for
+every length. The cost-model rule (``DraftModelDrafter.stop_now``) decides from timings, which a test
+cannot script, so most tests here replace it with ``varied_stop``: a deterministic draft-side rule that
+ends rounds at every possible length. The rule itself is tested against the cost model in
+tests/unit/test_adaptive.py, and the chi-square test with early stops is in test_speculative_distribution.py.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from tiny import make_hf_dir
+from verispec import LLM, SamplingParams
+from verispec.adaptive import Calibration
+from verispec.drafters.draft_model import DraftModelDrafter
+
+KS = [2, 4, 8]
+PROMPTS = ["Hello, world", "def f(x):\n    return", "1, 2, 3, 4,"]
+N = 24
+
+
+def varied_stop(self, confidences, request) -> bool:
+    """Ends about one round position in three, chosen by the draft's confidence digits: varied lengths."""
+    return int(confidences[-1] * 1e7) % 3 == 0
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_dirs, tmp_path_factory):
+    """{(arch, draft): LLM} with drafts "same" (the target), "near" (target + noise), "near-int8"."""
+    out = {}
+    for arch in ("qwen2", "llama"):
+        target = str(tiny_dirs[arch])
+        path = make_hf_dir(tmp_path_factory.mktemp("early") / f"near_{arch}", arch, 0, noise=0.01)
+        out[arch, "same"] = LLM(target=target, draft=target, dtype="float32", draft_quant="none")
+        out[arch, "near"] = LLM(target=target, draft=str(path), dtype="float32", draft_quant="none")
+        out[arch, "near-int8"] = LLM(target=target, draft=str(path), dtype="float32")
+    return out
+
+
+def spec(llm, prompt, K, **kw):
+    return llm.generate(prompt, SamplingParams(**kw), method="draft", num_draft_tokens=K)
+
+
+@pytest.mark.parametrize("draft", ["same", "near", "near-int8"])
+@pytest.mark.parametrize("K", KS)
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_identity_with_varied_stops(llms, monkeypatch, arch, K, draft):
+    monkeypatch.setattr(DraftModelDrafter, "stop_now", varied_stop)
+    llm = llms[arch, draft]
+    rounds = drafted = 0
+    for prompt in PROMPTS:
+        want = llm.generate(prompt, SamplingParams(max_new_tokens=N, ignore_eos=True))
+        out = spec(llm, prompt, K, max_new_tokens=N, ignore_eos=True)
+        assert out.token_ids == want.token_ids, f"{arch} K={K} {draft} {prompt!r}"
+        s = out.stats
+        assert s["new_tokens"] == N == s["accepted_tokens"] + s["target_forwards"]
+        rounds += s["per_position_reached"][0]
+        drafted += s["drafted_tokens"]
+        if draft == "same":
+            assert s["acceptance_rate"] == 1.0
+    if K > 2:  # rounds ended early, and not all after their first draft
+        assert rounds < drafted < K * rounds, (rounds, drafted)
+
+
+@pytest.mark.parametrize("draft", ["same", "near"])
+def test_max_new_tokens_and_eos_inside_a_shortened_round(llms, monkeypatch, draft):
+    monkeypatch.setattr(DraftModelDrafter, "stop_now", varied_stop)
+    llm = llms["qwen2", draft]
+    full = llm.generate(PROMPTS[1], SamplingParams(max_new_tokens=15, ignore_eos=True)).token_ids
+    for n in range(1, 16):
+        out = spec(llm, PROMPTS[1], 4, max_new_tokens=n, ignore_eos=True)
+        assert out.token_ids == full[:n] and out.finish_reason == "length", f"max_new_tokens={n}"
+    for i in range(40):  # a prompt whose continuation ends in EOS
+        prompt = f"Prompt number {i}: "
+        want = llm.generate(prompt, SamplingParams(max_new_tokens=32))
+        if want.finish_reason == "eos" and len(want.token_ids) >= 4:
+            out = spec(llm, prompt, 4, max_new_tokens=32)
+            assert out.token_ids == want.token_ids and out.finish_reason == "eos"
+            return
+    pytest.fail("no prompt found whose greedy continuation ends in EOS")
+
+
+@pytest.mark.parametrize("K", [4, 8])
+def test_greedy_identity_with_the_cost_model_rule(llms, K):
+    """The real rule, whatever it decides from this machine's timings."""
+    for draft in ("same", "near"):
+        llm = llms["qwen2", draft]
+        for prompt in PROMPTS:
+            want = llm.generate(prompt, SamplingParams(max_new_tokens=N, ignore_eos=True))
+            out = spec(llm, prompt, K, max_new_tokens=N, ignore_eos=True)
+            assert out.token_ids == want.token_ids, f"K={K} {draft} {prompt!r}"
+            assert out.stats["drafted_tokens"] <= K * out.stats["per_position_reached"][0]
+
+
+def test_the_cost_model_rule_waits_for_measurements(llms):
+    """No verify time or draft step measured yet: the round drafts K. Then the rule weighs the calibrated chances."""
+    d = DraftModelDrafter(llms["qwen2", "same"].draft.model)
+    d.calibration = Calibration()  # uncorrected yet: chance = confidence (bin centres)
+    request = SimpleNamespace(verify_s={})
+    assert not d.stop_now([0.01], request)
+    d.t_draft = 1.0
+    assert not d.stop_now([0.01], request)
+    request.verify_s = {2: 0.01}
+    assert d.stop_now([0.01], request)  # a hesitant draft whose steps cost 100 verify passes: stop
+    d.t_draft = 1e-6
+    assert not d.stop_now([0.999], request)
+
+
+def test_calibration_learns_from_verdicts_and_persists_across_requests(llms):
+    """The LLM keeps one calibration per sampling setting; the drafter feeds it each round's verdicts."""
+    llm = llms["qwen2", "same"]
+    llm.draft_calibrations.clear()
+    spec(llm, PROMPTS[0], 4, max_new_tokens=N, ignore_eos=True)
+    (key, cal), = llm.draft_calibrations.items()
+    assert key == (0.0, 0, 1.0)
+    prior = Calibration()
+    assert sum(cal.judged) > sum(prior.judged)  # verdicts were recorded
+    # the draft is the target: everything it drafted was accepted, so its confidence bins only rose
+    assert all(cal(b / 10 + 0.05) >= prior(b / 10 + 0.05) for b in range(10))
+    judged = sum(cal.judged)
+    spec(llm, PROMPTS[1], 4, max_new_tokens=N, ignore_eos=True)
+    assert sum(llm.draft_calibrations[key].judged) > judged  # the next request kept learning in the same one
