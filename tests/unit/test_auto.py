@@ -136,8 +136,17 @@ def test_first_round_takes_the_free_draft():
 def test_a_match_length_never_tried_is_tried_once():
     auto, lookup, model = trained_auto()
     auto.controller("draft").acceptance = [1.0] * 4  # a draft model that is never wrong
-    lookup.tokens, lookup.last_match = [1, 2, 3, 4], 2  # no record for 2-token matches yet: free to find out
+    lookup.tokens, lookup.last_match = [1, 2, 3, 4], 3  # no record for 3-token matches yet: free to find out
     assert auto.propose(request()).source == "ngram"
     auto.update(0)  # it was wrong
-    assert auto.controller("ngram", 2).t_draft is not None
+    assert auto.controller("ngram", 3).t_draft is not None
     assert auto.propose(request()).source == "draft"
+
+
+def test_a_short_match_without_a_record_is_not_tried_beside_a_draft_model():
+    auto, lookup, model = trained_auto()
+    lookup.tokens, lookup.last_match = [1, 2, 3, 4], 2  # shorter than TRY_MIN_MATCH, no record
+    assert auto.propose(request()).source == "draft"
+    auto.update(2)
+    del auto.drafters["draft"]  # alone, the n-gram draft is still taken (better than a plain step)
+    assert auto.propose(request()).source == "ngram"
