@@ -118,3 +118,18 @@ def use_fused_quantized_draft(llm, source: str, bits: int):
     assert draft.model.quantize_weights(bits), "the C++ kernels are not built"
     llm.draft = draft
     return llm
+
+
+def varied_stop(period: int):
+    """A draft-side early-stop rule for ``DraftModelDrafter.stop_now``: ends a round at about one position in
+    ``period``, chosen by the draft's confidence digits, so rounds end at varied lengths (the real rule decides
+    from timings, which a test cannot script). Any draft-side rule must leave the output exact. Its
+    ``decisions`` list records every call's answer."""
+
+    def stop_now(self, confidences, request) -> bool:
+        stop = int(confidences[-1] * 1e7) % period == 0
+        stop_now.decisions.append(stop)
+        return stop
+
+    stop_now.decisions = []  # every decision, so a test can check that rounds both ended early and went on
+    return stop_now

@@ -15,6 +15,11 @@ from .costmodel import expected_tokens_per_round
 VERIFY_SLOPE = 0.03  # prior shape of t_verify(T) between measured sizes: +3% per extra token (CPU, bf16)
 
 
+def ema(old: float | None, new: float, decay: float = 0.8) -> float:
+    """Exponential moving average: the first value as is, then ``decay`` of the old plus the rest of the new."""
+    return new if old is None else decay * old + (1 - decay) * new
+
+
 def verify_seconds(table: dict[int, float], T: int) -> float:
     """Seconds of a target forward over T tokens from those measured (size -> seconds, non-empty): linear
     between measured sizes, extended past them with the slope of the two nearest (never negative), or with
@@ -96,7 +101,7 @@ class DraftLengthController:
         self.t_verify: dict[int, float] = {} if t_verify is None else t_verify
 
     def _ema(self, old: float | None, new: float) -> float:
-        return new if old is None else self.decay * old + (1 - self.decay) * new
+        return ema(old, new, self.decay)
 
     def rates(self) -> list[float]:
         """Per-position estimates; a position never judged takes the last judged one's (then the prior)."""

@@ -17,6 +17,7 @@ from .config import SamplingParams
 from .drafters.base import Drafter, DraftRequest
 from .models.kv_cache import KVCache
 from .models.llama import Transformer
+from .adaptive import ema
 from .sampling import mask_logits, next_token
 from .verify import verify
 
@@ -34,7 +35,7 @@ class DecodeContext:
     logit_mask: torch.Tensor | None = None  # [V] bool: padding rows that may never be sampled
     drafter: Drafter | None = None
     num_draft_tokens: int = 0  # K
-    verify_s: dict[int, float] = field(default_factory=dict)  # verify size T -> recent seconds of a round outside drafting
+    verify_s: dict[int, float] = field(default_factory=dict)  # verify size T -> recent s of a round besides drafting
 
 
 @dataclass
@@ -120,11 +121,6 @@ def autoregressive(ctx: DecodeContext) -> Iterator[list[int]]:
         token = next_token(logits[:, -1], ctx.params, ctx.generator)  # [1]
 
 
-def _note(table: dict[int, float], key: int, seconds: float) -> None:
-    old = table.get(key)
-    table[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
-
-
 def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
     """Draft up to K tokens, verify them in one target forward, commit the accepted run plus one token."""
     # Report K positions (None where never reached) even if the budget or a stop ends the run first.
@@ -146,7 +142,7 @@ def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
         # 1. propose: up to K draft tokens and their distributions q (fewer, or none, is allowed)
         t0 = time.perf_counter()
         if last_round:  # what the last round cost outside drafting (verify, bookkeeping), by verify size
-            _note(ctx.verify_s, last_round[0], t0 - last_round[1])
+            ctx.verify_s[last_round[0]] = ema(ctx.verify_s.get(last_round[0]), t0 - last_round[1])
         draft = ctx.drafter.propose(DraftRequest(context, K, ctx.params, ctx.generator, capacity,
                                                  ctx.target.config.vocab_size, ctx.logit_mask, last.device,
                                                  ctx.verify_s))

@@ -3,8 +3,8 @@
 Any rule that looks only at the draft's side keeps speculative decoding exact; what varies is how many
 tokens a round proposes, so the draft cache's rollback and the target cache's truncation must hold for
 every length. The cost-model rule (``DraftModelDrafter.stop_now``) decides from timings, which a test
-cannot script, so most tests here replace it with ``varied_stop``: a deterministic draft-side rule that
-ends rounds at every possible length. The rule itself is tested against the cost model in
+cannot script, so most tests here replace it with ``varied_stop(3)`` (exact_helpers.py): a deterministic
+draft-side rule that ends rounds at every possible length. The rule itself is tested against the cost model in
 tests/unit/test_adaptive.py, and the chi-square test with early stops is in test_speculative_distribution.py.
 """
 
@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from exact_helpers import varied_stop
 from tiny import make_hf_dir
 from verispec import LLM, SamplingParams
 from verispec.adaptive import Calibration
@@ -22,11 +23,6 @@ from verispec.drafters.draft_model import DraftModelDrafter
 KS = [2, 4, 8]
 PROMPTS = ["Hello, world", "def f(x):\n    return", "1, 2, 3, 4,"]
 N = 24
-
-
-def varied_stop(self, confidences, request) -> bool:
-    """Ends about one round position in three, chosen by the draft's confidence digits: varied lengths."""
-    return int(confidences[-1] * 1e7) % 3 == 0
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +46,8 @@ def spec(llm, prompt, K, **kw):
 @pytest.mark.parametrize("K", KS)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_greedy_identity_with_varied_stops(llms, monkeypatch, arch, K, draft):
-    monkeypatch.setattr(DraftModelDrafter, "stop_now", varied_stop)
+    stop = varied_stop(3)
+    monkeypatch.setattr(DraftModelDrafter, "stop_now", stop)
     llm = llms[arch, draft]
     rounds = drafted = 0
     for prompt in PROMPTS:
@@ -65,11 +62,13 @@ def test_greedy_identity_with_varied_stops(llms, monkeypatch, arch, K, draft):
             assert s["acceptance_rate"] == 1.0
     if K > 2:  # rounds ended early, and not all after their first draft
         assert rounds < drafted < K * rounds, (rounds, drafted)
+    assert True in stop.decisions and False in stop.decisions  # rounds ended early, and others went on
 
 
 @pytest.mark.parametrize("draft", ["same", "near"])
 def test_max_new_tokens_and_eos_inside_a_shortened_round(llms, monkeypatch, draft):
-    monkeypatch.setattr(DraftModelDrafter, "stop_now", varied_stop)
+    stop = varied_stop(3)
+    monkeypatch.setattr(DraftModelDrafter, "stop_now", stop)
     llm = llms["qwen2", draft]
     full = llm.generate(PROMPTS[1], SamplingParams(max_new_tokens=15, ignore_eos=True)).token_ids
     for n in range(1, 16):
@@ -83,6 +82,24 @@ def test_max_new_tokens_and_eos_inside_a_shortened_round(llms, monkeypatch, draf
             assert out.token_ids == want.token_ids and out.finish_reason == "eos"
             return
     pytest.fail("no prompt found whose greedy continuation ends in EOS")
+
+
+@pytest.mark.parametrize("draft", ["same", "near"])
+def test_auto_greedy_identity_with_varied_stops(llms, monkeypatch, draft):
+    """auto hands the draft model the largest K as its cap; the draft model's rounds then end anywhere."""
+    stop = varied_stop(3)
+    monkeypatch.setattr(DraftModelDrafter, "stop_now", stop)
+    llm = llms["qwen2", draft]
+    drafted = rounds = 0
+    for prompt in PROMPTS:
+        want = llm.generate(prompt, SamplingParams(max_new_tokens=N, ignore_eos=True))
+        out = llm.generate(prompt, SamplingParams(max_new_tokens=N, ignore_eos=True), method="auto", num_draft_tokens=8)
+        assert out.token_ids == want.token_ids, f"auto {draft} {prompt!r}"
+        tokens = out.stats["drafter_tokens"].get("draft", {"drafted": 0})
+        drafted += tokens["drafted"]
+        rounds += out.stats["drafter_rounds"].get("draft", 0)
+    assert rounds < drafted < 8 * rounds, (rounds, drafted)
+    assert True in stop.decisions and False in stop.decisions  # rounds ended early, and others went on
 
 
 @pytest.mark.parametrize("K", [4, 8])

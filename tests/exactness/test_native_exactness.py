@@ -26,13 +26,14 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import verispec.decoding
-from exact_helpers import ALPHA, chi2_pvalue, variant_verify
+from exact_helpers import ALPHA, chi2_pvalue, variant_verify, varied_stop
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # gguf_tiny lives with the GGUF loader tests
 from gguf_tiny import write_gguf  # noqa: E402
 from test_speculative_distribution import DEPTH, N, N_NEG, N_SAME, PROMPT, V, TableModel, draw, exact_joint
 from tiny import make_hf_model
 from verispec import LLM, SamplingParams, kernels
+from verispec.drafters.draft_model import DraftModelDrafter
 from verispec.models.kv_cache import KVCache
 from verispec.models.linear import Linear
 from verispec.models.llama import Block
@@ -171,6 +172,26 @@ def test_ngram_and_auto_greedy_identity(llms, dtype, method, K, opts):
             drafted += s["drafted_tokens"]
             accepted += s["accepted_tokens"]
     assert 0 < accepted < drafted, (accepted, drafted)  # drafts were made, some accepted, some rejected
+
+
+@pytest.mark.parametrize("method", ["draft", "auto"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_identity_with_early_stops(llms, monkeypatch, dtype, method):
+    """Rounds ending at varied lengths (a draft-side rule standing in for the timing-based one) verify passes of
+    every size; native weights make each the logits AR would compute, so the output is the AR output."""
+    stop = varied_stop(3)
+    monkeypatch.setattr(DraftModelDrafter, "stop_now", stop)
+    rounds = drafted = 0
+    for draft in ("same", "near"):
+        llm = llms[dtype, draft]
+        for prompt in PROMPTS:
+            want = ar(llm, prompt, max_new_tokens=NEW, ignore_eos=True)
+            out = spec(llm, prompt, method, 8, {"early_stop": True}, max_new_tokens=NEW, ignore_eos=True)
+            assert out.token_ids == want.token_ids, f"{dtype} {method} {draft} {prompt}"
+            rounds += out.stats["per_position_reached"][0]
+            drafted += out.stats["drafted_tokens"]
+    assert rounds < drafted < 8 * rounds, (rounds, drafted)
+    assert True in stop.decisions and False in stop.decisions  # rounds ended early, and others went on
 
 
 @pytest.mark.parametrize("draft", ["same", "other"])

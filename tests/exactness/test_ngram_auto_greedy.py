@@ -126,6 +126,6 @@ def test_auto_without_a_draft_model_uses_ngram_alone(tiny_dirs):
 def test_bad_spec_options(llms):
     llm = llms["same"]
     for opts in (dict(ngram_min=0), dict(ngram_min=3, ngram_max=2), dict(min_draft_tokens=5),
-                 dict(adaptive="yes"), dict(nope=1)):
+                 dict(adaptive="yes"), dict(early_stop="no"), dict(nope=1)):
         with pytest.raises(ValueError):
             gen(llm, "x", "ngram", 4, max_new_tokens=2, opts=opts)

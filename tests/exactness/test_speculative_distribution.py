@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import verispec.decoding
-from exact_helpers import ALPHA, chi2_pvalue, naive_probs, use_fused_quantized_draft, variant_verify
+from exact_helpers import ALPHA, chi2_pvalue, naive_probs, use_fused_quantized_draft, variant_verify, varied_stop
 from tiny import make_hf_model
 from verispec import LLM, SamplingParams
 from verispec.draft_vocab import save_table
@@ -327,16 +327,12 @@ def test_copied_verifier_passes(table_llms, tables, monkeypatch):
     assert p > ALPHA, f"p = {p:.3g}"
 
 
-def varied_stop(self, confidences, request) -> bool:
-    """A draft-side early-stop rule (the draft's confidence digits) that ends about half the rounds early."""
-    return int(confidences[-1] * 1e7) % 2 == 0
-
-
 @pytest.mark.parametrize("bug", [None, "always_accept"])
 def test_early_stops_keep_the_exact_distribution(table_llms, tables, monkeypatch, bug):
     """Rounds that end before K (DraftModelDrafter.stop_now, here a rule ending them at varied points) leave
     the law exactly p; the same draws through an always-accepting verifier are rejected (negative control)."""
-    monkeypatch.setattr(DraftModelDrafter, "stop_now", varied_stop)
+    stop = varied_stop(2)
+    monkeypatch.setattr(DraftModelDrafter, "stop_now", stop)  # about half the rounds end early
     if bug:
         monkeypatch.setattr(verispec.decoding, "verify", variant_verify(bug))
     draft, K, kw = CASES["top_p0.8-K2"]
@@ -345,6 +341,7 @@ def test_early_stops_keep_the_exact_distribution(table_llms, tables, monkeypatch
     counts, acceptance = draw(table_llms[draft], K, params, N_NEG if bug else N, first_seed=900_000, rounds=rounds)
     r, d = map(sum, zip(*rounds))
     assert 1.1 < d / r < K - 0.1, f"{d} drafts in {r} rounds: the stops were not varied"
+    assert True in stop.decisions and False in stop.decisions  # rounds ended early, and others went on
     p = chi2_pvalue(counts, exact_joint(tables, params))
     if bug:
         assert p < ALPHA, f"always-accept with early stops not detected: p = {p:.3g}"

@@ -103,7 +103,8 @@ def test_worth_another_draft_is_the_cost_model(q, t_draft, slope):
     table = {T: 0.05 * (1 + slope * (T - 1)) for T in range(1, 12)}
     for confidences in ([q], [0.9, q], [0.99, 0.9, 0.8, q]):
         more = _rate(confidences + [confidences[-1]], t_draft, table.__getitem__)
-        assert worth_another_draft(confidences, t_draft, table) == (more > _rate(confidences, t_draft, table.__getitem__))
+        less = _rate(confidences, t_draft, table.__getitem__)
+        assert worth_another_draft(confidences, t_draft, table) == (more > less)
 
 
 def test_worth_another_draft_directions():

@@ -44,7 +44,8 @@ def _method_stats(rs: list[dict], ar_by_prompt: dict[str, dict], curve_ratio: di
     c = statistics.median(costs) if costs else 0.0  # no draft time at all: a free drafter
     return {**out, "speedup": statistics.median(speedups), "speedup_spread": _spread(speedups),
             "alpha": sum(r["accepted_tokens"] for r in rs) / drafted if drafted else 0.0,
-            "drafts_per_round": drafted / reached[0] if K and reached[0] else 0.0,  # below K: early stops, short matches
+            # below K: early stops, short n-gram matches
+            "drafts_per_round": drafted / reached[0] if K and reached[0] else 0.0,
             "per_position_acceptance": per_position,
             "per_position_joint": joint,  # P(all of the first i+1 drafts accepted)
             "cost_ratio_c": c,  # the model assumes K drafts every round: no prediction when K varies
@@ -169,7 +170,8 @@ def markdown(r: dict) -> str:
                       "c = draft cost per drafted token / AR target cost per token; acceptance: conditional "
                       "per position, then joint P(first i accepted)):", "",
                   "| category | method | speedup (spread) | predicted | tau | alpha | drafts/round | "
-                  "per-position acceptance | joint | c | tok/s | " + ("identical to AR |" if s["greedy"] else "prompts |"),
+                  "per-position acceptance | joint | c | tok/s | "
+                  + ("identical to AR |" if s["greedy"] else "prompts |"),
                   "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rates = lambda xs: " ".join("-" if a is None else f"{a:.2f}" for a in xs)  # noqa: E731
         for cat, table in [*s["by_category"].items(), ("overall", s["overall"])]:
@@ -178,7 +180,8 @@ def markdown(r: dict) -> str:
                 last = f"{m['identical_to_ar']}/{m['prompts']}" if s["greedy"] else str(m["prompts"])
                 lines.append(f"| {cat} | {lb} | {m['speedup']:.2f}x ({m['speedup_spread'][0]:.2f}-"
                              f"{m['speedup_spread'][1]:.2f}) | {_x(m['predicted_speedup'])} | {m['tau']:.2f} | "
-                             f"{m['alpha']:.2f} | {m['drafts_per_round']:.2f} | {rates(m['per_position_acceptance'])} | "
+                             f"{m['alpha']:.2f} | {m['drafts_per_round']:.2f} | "
+                             f"{rates(m['per_position_acceptance'])} | "
                              f"{rates(m['per_position_joint'])} | {m['cost_ratio_c']:.2f} | "
                              f"{m['tokens_per_s']:.1f} | {last} |")
         for cat, table in [*s["by_category"].items(), ("overall", s["overall"])]:

@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import torch
 
-from ..adaptive import DraftLengthController
+from ..adaptive import DraftLengthController, ema
 from ..costmodel import expected_tokens_per_round
 from .base import Draft, DraftRequest
 
@@ -102,7 +102,8 @@ class AutoDrafter:
         _, name, d, ctl, K, draft, spent = max(options, key=lambda o: o[0])  # the first on ties
         if draft is None:  # a drafter that ends its rounds itself (early_stop) gets the largest K as its cap
             t0 = time.perf_counter()
-            draft = d.propose(replace(request, num_tokens=request.num_tokens if getattr(d, "early_stop", False) else K))
+            cap = request.num_tokens if getattr(d, "early_stop", False) else K
+            draft = d.propose(replace(request, num_tokens=cap))
             spent = time.perf_counter() - t0
             spent -= self._learn_catch_up(d)
         self._round = (d, ctl, draft.tokens.shape[1], spent, time.perf_counter())
@@ -114,7 +115,7 @@ class AutoDrafter:
         if tokens <= LONG_CATCH_UP:
             return 0.0  # a short catch-up is a draft step: part of t_draft
         per_token = seconds / tokens
-        self.t_catch_up = per_token if self.t_catch_up is None else 0.8 * self.t_catch_up + 0.2 * per_token
+        self.t_catch_up = ema(self.t_catch_up, per_token)
         return seconds
 
     def update(self, num_accepted: int) -> None:

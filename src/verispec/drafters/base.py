@@ -42,7 +42,7 @@ class DraftRequest:
     vocab_size: int  # the target's vocabulary rows: draft_probs must be [B, K, vocab_size]
     logit_mask: torch.Tensor | None  # [vocab_size] bool, True = never propose (padding rows)
     device: torch.device | str = "cpu"  # where the target runs: Draft tensors go here
-    verify_s: dict[int, float] | None = None  # verify size T -> recent seconds of a round besides drafting (verify, bookkeeping)
+    verify_s: dict[int, float] | None = None  # verify size T -> recent seconds of a round besides drafting
 
 
 class Drafter(Protocol):

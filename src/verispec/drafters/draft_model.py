@@ -15,7 +15,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..adaptive import Calibration, worth_another_draft
+from ..adaptive import Calibration, ema, worth_another_draft
 from ..models.kv_cache import KVCache
 from ..models.llama import Transformer
 from ..sampling import logits_to_probs, mask_logits
@@ -66,7 +66,7 @@ class DraftModelDrafter:
             if i == 0:
                 self.catch_up = (fed, seconds)
             else:
-                self.t_draft = seconds if self.t_draft is None else 0.8 * self.t_draft + 0.2 * seconds
+                self.t_draft = ema(self.t_draft, seconds)
             # 3. early stop: is one more draft token worth its draft step and verify row?
             if self.early_stop:
                 self.confidences.append(confidence(logits, probs))
@@ -94,8 +94,8 @@ class DraftModelDrafter:
         return logits[:, -1]
 
     def update(self, num_accepted: int) -> None:
-        # The cache holds the context plus the first K-1 of the K proposed drafts (the last draft was never fed back in);
-        # keep the context and the accepted ones. The rest is fed next round from the committed context.
+        # The cache holds the context plus the first K-1 of the K proposed drafts (the last draft was never fed
+        # back in); keep the context and the accepted ones. The rest is fed next round from the committed context.
         K = self.num_proposed
         if self.confidences:
             self.calibration.observe(self.confidences, num_accepted)
