@@ -31,7 +31,8 @@ def run_tool(parser: argparse.ArgumentParser, argv, body) -> int:
     return 0
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, compare_draft_quant: bool = False) -> None:
+    """The model flags; ``compare_draft_quant`` (bench) lets --draft-quant take several formats."""
     from .models.registry import DEFAULT_TARGET
 
     p.add_argument("--target", default=DEFAULT_TARGET, help="model name, HF directory or .gguf file "
@@ -40,8 +41,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    p.add_argument("--draft-quant", default="int8", choices=["int8", "int4", "none"],
-                   help="draft model matrices in int8 (default) or 4-bit on CPU, or as loaded; exactness is unaffected")
+    if compare_draft_quant:
+        p.add_argument("--draft-quant", default="int4", type=_draft_quant_list, metavar="FORMAT[,FORMAT...]",
+                       help="draft model matrices: int4 (default), int8 or none; several (e.g. int8,int4) run every "
+                            "draft-model method once per format, interleaved per prompt (labels METHOD@FORMAT:K=k)")
+    else:
+        p.add_argument("--draft-quant", default="int4", choices=DRAFT_QUANTS,
+                       help="draft model matrices in 4 bits (int4, default) or int8 on CPU, or as loaded (none); "
+                            "exactness is unaffected")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                    help="draft proposes only its N most frequent tokens: a cheaper LM head, lower acceptance "
                         "(default: 0 = all tokens); exactness is unaffected")
@@ -56,10 +63,22 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="token-frequency table for --draft-vocab (python -m verispec.draft_vocab)")
 
 
+DRAFT_QUANTS = ("int4", "int8", "none")
+
+
+def _draft_quant_list(text: str) -> str:
+    """--draft-quant for bench: comma-separated formats, each checked; kept as the text."""
+    formats = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in formats if f not in DRAFT_QUANTS]
+    if not formats or bad or len(set(formats)) < len(formats):
+        raise argparse.ArgumentTypeError(f"takes distinct formats out of {', '.join(DRAFT_QUANTS)}, got {text!r}")
+    return ",".join(formats)
+
+
 def engine_options(args) -> dict:
     """LLM(...) keyword arguments from the model flags."""
     return dict(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
-                draft_quant=args.draft_quant, draft_vocab=args.draft_vocab, draft_vocab_table=args.draft_vocab_table,
+                draft_quant=args.draft_quant.split(",")[0], draft_vocab=args.draft_vocab, draft_vocab_table=args.draft_vocab_table,
                 weights=args.weights, draft_weights=args.draft_weights)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import gc
 import time
 from collections.abc import Iterator
@@ -37,9 +39,9 @@ class LLM:
 
     ``target``/``draft``: a default model name (see ``verispec models list``), an HF directory
     (config.json + *.safetensors), or a .gguf file. With the default target, method "draft" loads the
-    default draft model on first use if ``draft`` was not given. ``draft_quant="int8"`` (default) runs
-    the draft's matrices in int8 on CPU (``"int4"``: 4-bit): cheaper drafting, exactly the same output
-    distribution. ``draft_vocab=N`` keeps the draft's LM head to its N most frequent tokens (FR-Spec; a table ships for the
+    default draft model on first use if ``draft`` was not given. ``draft_quant="int4"`` (default) runs
+    the draft's matrices in 4 bits on CPU (``"int8"``: 8 bits, ``"none"``: as loaded): cheaper drafting,
+    exactly the same output distribution. ``draft_vocab=N`` keeps the draft's LM head to its N most frequent tokens (FR-Spec; a table ships for the
     default draft, ``draft_vocab_table`` names another): cheaper draft steps, same output distribution, and
     less acceptance (off by default). ``weights="native"`` (what the default "auto" picks on CPU in bf16) keeps
     a GGUF target's quantized matrices in their GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K): 4.5-8.5 bits
@@ -50,7 +52,7 @@ class LLM:
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = None, dtype: str = "bfloat16",
-                 device: str | None = None, threads: int | None = None, draft_quant: str | None = "int8",
+                 device: str | None = None, threads: int | None = None, draft_quant: str | None = "int4",
                  draft_vocab: int | None = None, draft_vocab_table: str | None = None, weights: str = "auto",
                  draft_weights: str = "dequantized", progress: bool = True):
         self.engine_config = EngineConfig(dtype=dtype, device=device, threads=threads, draft_quant=draft_quant,
@@ -87,6 +89,15 @@ class LLM:
                 draft.model.quantize_weights(DRAFT_QUANT_BITS[self.engine_config.draft_quant])
             self.draft = draft
         return self.draft
+
+    def with_draft_quant(self, draft_quant: str | None) -> LLM:
+        """This LLM with its draft in another weight format (``draft_quant`` as in the constructor): target,
+        tokenizer and logit mask shared; its own draft model (loaded on first use) and calibrations. For
+        side-by-side comparisons (``verispec bench --draft-quant int8,int4``)."""
+        other = copy.copy(self)
+        other.engine_config = dataclasses.replace(self.engine_config, draft_quant=draft_quant)
+        other.draft, other.draft_calibrations = None, {}
+        return other
 
     @property
     def draft_vocab_rows(self) -> int | None:

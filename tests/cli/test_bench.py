@@ -100,6 +100,22 @@ def test_bench_default_methods_ngram_auto_adaptive(tiny_dirs, tmp_path, prompt_f
     assert all(r["identical_to_ar"] for r in report["runs"] if r["method"] == "ngram")  # float32, greedy
 
 
+def test_bench_compares_draft_formats_in_one_run(tiny_dirs, tmp_path, prompt_file):
+    t = str(tiny_dirs["qwen2"])
+    rc, report = bench(tmp_path, "--target", t, "--draft", t, "--draft-quant", "none,int8", "--prompts", prompt_file,
+                       "--peers", "none", "--max-new-tokens", "10", "--methods", "ar,draft,ngram",
+                       "--num-draft-tokens", "2", "--limit", "2")
+    assert rc == 0
+    # every draft-model method once per format (interleaved per prompt); n-gram lookup once, untagged
+    assert set(report["summary"]["overall"]) == {"ar", "draft@none:K=2", "draft@int8:K=2", "ngram:K=2"}
+    labels = [r["label"] for r in report["runs"] if r["prompt_id"] == "c1"]
+    assert labels == ["ar", "draft@none:K=2", "draft@int8:K=2", "ngram:K=2"]
+    overall = report["summary"]["overall"]
+    assert overall["draft@none:K=2"]["alpha"] == 1.0  # the float draft is the target itself
+    assert overall["draft@none:K=2"]["identical_to_ar"] == overall["draft@int8:K=2"]["identical_to_ar"] == 2
+    assert report["draft_quant"] == "none,int8"
+
+
 def test_bench_builtin_suite_skips_prompts_too_long_for_the_context(tiny_dirs, tmp_path, capsys):
     rc, report = bench(tmp_path, "--target", str(tiny_dirs["qwen2"]), "--quick", "--peers", "none",
                        "--categories", "coding,rag", "--max-new-tokens", "8")
@@ -134,7 +150,8 @@ def test_bench_bad_input(tiny_dirs, tmp_path, capsys):
     for argv in (["--max-new-tokens", "1"], ["--methods", "draft"], ["--methods", "ar,nope"],
                  ["--methods", "ar,draft", "--num-draft-tokens", "0"], ["--num-draft-tokens", "x"],
                  ["--prompts", str(tmp_path / "missing.jsonl")], ["--prompts", str(bad)],
-                 ["--categories", "nope"], ["--limit-per-category", "0"], ["--methods", "ar,draft"]):
+                 ["--categories", "nope"], ["--limit-per-category", "0"], ["--methods", "ar,draft"],
+                 ["--draft-quant", "int8,int3"], ["--draft-quant", "int8,int8"], ["--draft-quant", ","]):
         rc = main(["bench", "--target", t, "--peers", "none", *argv])
         assert rc == 2, argv
         err = capsys.readouterr().err.strip().splitlines()

@@ -24,7 +24,7 @@ from verispec.draft_vocab import save_table
 
 ARCHS = ["qwen2", "llama"]
 KS = [1, 2, 4, 8]
-DRAFTS = ["same", "near", "other", "same-int8", "same-int8-fused", "same-head", "same-int8-head"]
+DRAFTS = ["same", "near", "other", "same-int4", "same-int8", "same-int8-fused", "same-head", "same-int8-head"]
 HEAD_ROWS = 128  # "-head" drafts: the target restricted to half its tokens (draft_vocab.py)
 PROMPTS = ["Hello, world", "def f(x):\n    return"]
 N = 24
@@ -61,15 +61,16 @@ def llms(tiny_dirs, draft_dirs, head_table):
         out[arch, "same"] = LLM(target=target, draft=target, dtype="float32", draft_quant="none")
         for d in ("near", "other"):
             out[arch, d] = LLM(target=target, draft=str(draft_dirs[arch, d]), dtype="float32", draft_quant="none")
-        # the default on CPU: the same weights run in int8 (an approximate q; the output must not change)
-        out[arch, "same-int8"] = LLM(target=target, draft=target, dtype="float32")
+        # the same weights in 4 bits (the default on CPU) and in int8: an approximate q; the output must not change
+        out[arch, "same-int4"] = LLM(target=target, draft=target, dtype="float32")
+        out[arch, "same-int8"] = LLM(target=target, draft=target, dtype="float32", draft_quant="int8")
         # the same weights in bf16 and int8, each draft step one fused C++ call per layer
         out[arch, "same-int8-fused"] = use_fused_quantized_draft(
             LLM(target=target, draft=target, dtype="float32", draft_quant="none"), target, 8)
         # the target's weights with an LM head kept to HEAD_ROWS tokens: drafts outside them are impossible
         head = dict(draft_vocab=HEAD_ROWS, draft_vocab_table=str(head_table))
         out[arch, "same-head"] = LLM(target=target, draft=target, dtype="float32", draft_quant="none", **head)
-        out[arch, "same-int8-head"] = LLM(target=target, draft=target, dtype="float32", **head)
+        out[arch, "same-int8-head"] = LLM(target=target, draft=target, dtype="float32", draft_quant="int8", **head)
     return out
 
 
@@ -117,7 +118,8 @@ def test_greedy_identity(llms, arch, K, draft):
             assert llm.draft.model.lm_head.out_features == len(kept)
             assert s["accepted_tokens"] <= sum(t in kept for t in want.token_ids)
         elif draft.startswith("same-int"):
-            assert out.stats["acceptance_rate"] > 0.5, s["acceptance_rate"]  # quantized q is close to p, not equal
+            # quantized q is close to p, not equal (4 bits: further; the tiny random models have many near-ties)
+            assert out.stats["acceptance_rate"] > (0.5 if "int8" in draft else 0.15), s["acceptance_rate"]
         elif draft == "near":
             assert 0.05 < s["acceptance_rate"] < 0.98, s["acceptance_rate"]
             if K > 1:  # some round ended after some but not all of its drafts: a rejection past position 0

@@ -294,7 +294,8 @@ def test_padding_row_dominates_unmasked(padded):
 
 @pytest.mark.parametrize("draft", ["target", "draft272", "draft259"])
 def test_padding_rows_never_emitted_and_draft_padding_is_harmless(padded, draft):
-    llm = LLM(target=padded["target"], draft=padded[draft], dtype="float32")
+    # int8 draft (the default before int4): close enough to the target that sampling acceptance stays > 0.99
+    llm = LLM(target=padded["target"], draft=padded[draft], dtype="float32", draft_quant="int8")
     prompt = "Padding rows: "
     greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
     want = llm.generate(prompt, greedy).token_ids

@@ -24,7 +24,7 @@ def add_bench_parser(sub) -> None:
     from ..cli import _add_model_args
 
     b = sub.add_parser("bench", help="per-category acceptance and speedup of speculative methods, peers side by side")
-    _add_model_args(b)
+    _add_model_args(b, compare_draft_quant=True)
     b.add_argument("--methods", default=None,
                    help="comma-separated: ar plus speculative methods (default: ar and every available one)")
     b.add_argument("--num-draft-tokens", default="4", help="K for speculative methods: one value or a list, e.g. 2,4,6,8 "
@@ -82,7 +82,6 @@ def _prompts(args):
 
 def _spec_runs(args, llm) -> list[tuple]:
     from .. import drafters
-
     from ..config import SpecConfig
 
     opts = dict(min_draft_tokens=args.min_draft_tokens, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
@@ -104,23 +103,42 @@ def _spec_runs(args, llm) -> list[tuple]:
             raise VerispecError(f"--methods must include ar and may add {', '.join(drafters.METHODS)}; "
                                 f"got {args.methods!r}")
         names = [m for m in names if m != "ar"]
-    runs = []  # (label, SpecConfig): fixed K per value; adaptive (and self-adapting drafters) up to the largest
+    formats = args.draft_quant.split(",")
+    # one LLM per draft format, sharing the target; the first is ``llm`` itself
+    variants = [(fmt, llm if i == 0 else llm.with_draft_quant(fmt)) for i, fmt in enumerate(formats)]
+    runs = []  # (label, SpecConfig, LLM): fixed K per value; adaptive (and self-adapting drafters) up to the largest
     for name in names:
-        # building it loads the draft model now, not inside a timed run; errors surface here
-        drafter = drafters.METHODS[name](llm, SpecConfig(name, max(ks), **opts))
-        adapts = getattr(drafter, "adaptive", False)
-        labelled = [(f"{name}:K={k}", SpecConfig(name, k, **opts)) for k in ks] if not adapts else []
-        if adapts or args.adaptive:
-            labelled.append((f"{name}:K<={max(ks)}", SpecConfig(name, max(ks), adaptive=True, **opts)))
-        runs += labelled
-        if args.early_stop == "both" and _stops_early(drafter):
-            runs += [(f"{label}:full", dataclasses.replace(spec, early_stop=False)) for label, spec in labelled]
+        for fmt, owner in variants:
+            # building it loads the draft model now, not inside a timed run; errors surface here
+            drafter = drafters.METHODS[name](owner, SpecConfig(name, max(ks), **opts))
+            uses_draft = _uses_draft_model(drafter)
+            if fmt != formats[0] and not uses_draft:
+                continue  # the draft format changes nothing for this method: one run is enough
+            tag = f"{name}@{fmt}" if len(formats) > 1 and uses_draft else name
+            adapts = getattr(drafter, "adaptive", False)
+            labelled = [(f"{tag}:K={k}", SpecConfig(name, k, **opts)) for k in ks] if not adapts else []
+            if adapts or args.adaptive:
+                labelled.append((f"{tag}:K<={max(ks)}", SpecConfig(name, max(ks), adaptive=True, **opts)))
+            if args.early_stop == "both" and _stops_early(drafter):
+                labelled += [(f"{label}:full", dataclasses.replace(spec, early_stop=False)) for label, spec in labelled]
+            runs += [(label, spec, owner) for label, spec in labelled]
     return runs
+
+
+def _drafters(drafter) -> tuple:
+    """The drafter and the ones it delegates to (auto)."""
+    return (drafter, *getattr(drafter, "drafters", {}).values())
+
+
+def _uses_draft_model(drafter) -> bool:
+    from ..drafters import DraftModelDrafter
+
+    return any(isinstance(d, DraftModelDrafter) for d in _drafters(drafter))
 
 
 def _stops_early(drafter) -> bool:
     """Whether the drafter, or one it delegates to (auto), ends rounds early (DraftModelDrafter.early_stop)."""
-    return any(getattr(d, "early_stop", False) for d in (drafter, *getattr(drafter, "drafters", {}).values()))
+    return any(getattr(d, "early_stop", False) for d in _drafters(drafter))
 
 
 def _native(model) -> list:
@@ -175,8 +193,8 @@ def run_bench(args) -> int:
     curve = verify_cost_curve(llm)
     warm = SamplingParams(max_new_tokens=4, ignore_eos=True)
     llm.generate(encoded[0], warm)
-    for _, spec in spec_runs:
-        llm.generate(encoded[0], warm, **dataclasses.asdict(spec))
+    for _, spec, owner in spec_runs:
+        owner.generate(encoded[0], warm, **dataclasses.asdict(spec))
     for mode in peer.modes if peer else ():
         peer.generate(encoded[0], 4, mode)
 

@@ -9,10 +9,12 @@ import time
 from ..config import SamplingParams, SpecConfig
 
 
-def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: list[tuple[str, SpecConfig]],
+def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: list[tuple[str, SpecConfig, object]],
                peer=None) -> tuple[list[dict], list[dict]]:
     """Our AR (the baseline), the peer's modes, then every speculative method/K on one prompt.
 
+    ``spec_runs``: (label, SpecConfig, the LLM that runs it: ``llm`` or one sharing its target with another
+    draft format).
     Returns (our run records, peer run records). Speedup = our AR wall / method wall, same prompt.
     """
     ar = llm.generate(ids, params)
@@ -30,8 +32,8 @@ def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: l
             if mode == "hf" and params.greedy:
                 runs[0].update(hf_ms_per_token=1e3 * (wall - prefill) / (n_new - 1), hf_tokens_per_s=n_new / wall,
                                hf_prefill_s=prefill, hf_identical_prefix_tokens=_common_prefix(ar.token_ids, tokens))
-    for name, spec in spec_runs:
-        out = llm.generate(ids, params, **dataclasses.asdict(spec))
+    for name, spec, owner in spec_runs:
+        out = owner.generate(ids, params, **dataclasses.asdict(spec))
         rec = _record(prompt, ids, name, spec.method, spec.num_draft_tokens, out.stats, out.token_ids == ar.token_ids)
         rec["speedup"] = ar.stats["wall_s"] / out.stats["wall_s"]
         rec["adaptive"] = spec.adaptive

@@ -14,7 +14,8 @@ yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K +
   need first: a draft model that sat out rounds (or never ran: the whole prompt) must feed the tokens its
   cache lacks before it drafts. That one-off cost is spread over the rounds left in the generation. Before
   its first round it is valued with priors in units of one target step (PRIOR_C per drafted token,
-  PRIOR_CATCH_UP per catch-up token: measured ratios for a 0.5B int8 draft of a 1.5B bf16 target on CPU).
+  PRIOR_CATCH_UP per catch-up token: measured ratios for the 0.5B draft of the 1.5B target on CPU, where
+  PRIOR_C is 0.14 (4-bit draft, bf16 target) to 0.4 (native target); the prior sits between them).
 
 Only the chosen drafter proposes (expensive) or is kept (cheap), and only it learns from the round.
 Exactness is the verifier's business, whatever drafter is picked.
