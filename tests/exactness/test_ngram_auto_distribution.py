@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import verispec.decoding
+import verispec.drafters.auto
 from exact_helpers import ALPHA, chi2_pvalue, variant_verify
 import test_speculative_distribution as base
 from test_speculative_distribution import N, N_NEG, PROMPT, V, exact_joint, make_llm
@@ -49,15 +50,22 @@ def draw(llm, method: str, K: int, params: SamplingParams, n: int, opts: dict, f
     return counts, drafted / n, accepted / max(drafted, 1), used
 
 
+def try_short_matches(monkeypatch):
+    """``auto`` tries untried n-gram matches of any length: this prompt's are 1-2 tokens, and beside a draft
+    model auto would otherwise never take them (drafters/auto.py, TRY_MIN_MATCH); rounds must mix drafters."""
+    monkeypatch.setattr(verispec.drafters.auto, "TRY_MIN_MATCH", 1)
+
+
 @pytest.fixture(scope="module")
 def table_llms(model_dirs, tables):
     return {d: make_llm(model_dirs, d, tables) for d in ("near", "other")}
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_sampling_matches_exact_distribution(table_llms, tables, name):
+def test_sampling_matches_exact_distribution(table_llms, tables, monkeypatch, name):
     method, draft, K, kw, opts = CASES[name]
     params = SamplingParams(**kw)
+    try_short_matches(monkeypatch)
     counts, drafted_per_run, acceptance, used = draw(table_llms[draft], method, K, params, N, opts)
     assert drafted_per_run > 1.0, f"{name}: too few drafts ({drafted_per_run:.2f} per run) to test anything"
     assert 0.01 < acceptance < 0.98, f"{name}: acceptance {acceptance:.3f}"  # >= ~400 accepted drafts
@@ -71,6 +79,7 @@ def test_sampling_matches_exact_distribution(table_llms, tables, name):
 def test_negative_control_broken_verifier_fails(table_llms, tables, monkeypatch, name, bug):
     method, draft, K, kw, opts = CASES[name]
     params = SamplingParams(**kw)
+    try_short_matches(monkeypatch)
     monkeypatch.setattr(verispec.decoding, "verify", variant_verify(bug))
     counts, *_ = draw(table_llms[draft], method, K, params, N_NEG, opts)
     p = chi2_pvalue(counts, exact_joint(tables, params))

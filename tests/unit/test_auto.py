@@ -122,25 +122,33 @@ def test_nothing_to_propose_is_a_plain_step():
     assert lookup.updates == []
 
 
-def test_first_round_takes_the_free_draft():
+def test_first_round_tries_a_long_match_but_not_a_short_one():
     lookup, model = Lookup(), Model()
     auto = AutoDrafter({"ngram": lookup, "draft": model}, 1, 4)
-    lookup.tokens, lookup.last_match = [5], 1
-    assert auto.propose(request()).source == "ngram"  # no costs measured yet: nothing is spent on a guess
+    lookup.tokens, lookup.last_match = [5, 6, 7], 3
+    assert auto.propose(request()).source == "ngram"  # no costs measured yet: a long match is free to try
     auto.update(0)
     assert auto.t_verify  # the round measured the target's verify cost for everyone
+    for match in (1, 2):  # a short match is not worth a round beside a draft model, in its first round too
+        fresh = AutoDrafter({"ngram": lookup, "draft": Model()}, 1, 4)
+        lookup.tokens, lookup.last_match = [5], match
+        assert fresh.propose(request()).source == "draft"
     lookup.tokens = []
     assert auto.propose(request()).source == "draft"
 
 
-def test_a_match_length_never_tried_is_tried_once():
+@pytest.mark.parametrize("draft_acceptance,chosen", [(0.7, "ngram"), (1.0, "draft")])
+def test_a_long_match_never_tried_is_weighed_at_the_prior(draft_acceptance, chosen):
     auto, lookup, model = trained_auto()
-    auto.controller("draft").acceptance = [1.0] * 4  # a draft model that is never wrong
-    lookup.tokens, lookup.last_match = [1, 2, 3, 4], 3  # no record for 3-token matches yet: free to find out
-    assert auto.propose(request()).source == "ngram"
-    auto.update(0)  # it was wrong
-    assert auto.controller("ngram", 3).t_draft is not None
-    assert auto.propose(request()).source == "draft"
+    auto.controller("draft").acceptance = [draft_acceptance] * 4
+    lookup.tokens, lookup.last_match = [1, 2, 3, 4], 3  # no record for 3-token matches yet
+    # valued at the prior acceptance (0.6 a position) for no draft time: worth a try beside a draft model
+    # accepted 70% of the time, not beside one that is never wrong
+    assert auto.propose(request()).source == chosen
+    auto.update(0)
+    if chosen == "ngram":  # it was wrong: now it has a record, and the draft model wins
+        assert auto.controller("ngram", 3).t_draft is not None
+        assert auto.propose(request()).source == "draft"
 
 
 def test_a_short_match_without_a_record_is_not_tried_beside_a_draft_model():

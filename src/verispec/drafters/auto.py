@@ -8,8 +8,8 @@ yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K +
   ``update``, e.g. n-gram lookup) propose first, and the draft they actually made is valued. A drafter
   that reports the length of its match (``last_match``) gets separate estimates per match length: a
   4-token match continues far more often than a 1-token one. K is then cut to the best length for them.
-  A cheap draft with no record yet (a match length never tried) is taken if its match is long enough
-  (TRY_MIN_MATCH): trying it costs one verify.
+  A cheap draft with no record yet (a match length never tried) is valued at the prior acceptance if its
+  match is long enough (TRY_MIN_MATCH), else not at all: it is tried when that beats the draft model.
 - An expensive drafter (the draft model) is valued at the K it would choose, plus the catch-up it would
   need first: a draft model that sat out rounds (or never ran: the whole prompt) must feed the tokens its
   cache lacks before it drafts. That one-off cost is spread over the rounds left in the generation. Before
@@ -34,9 +34,9 @@ from .base import Draft, DraftRequest
 
 PRIOR_C = 0.25  # draft seconds per drafted token / target seconds per step, before the draft model ran
 PRIOR_CATCH_UP = 0.03  # the same for each token of a long catch-up (a batched prefill is cheap per token)
-TRY_MIN_MATCH = 3  # an n-gram match this long is tried once without a record (shorter: only with a record, or
-# alone); in auto on 15 suite prompts (one-off count) untried 1-gram matches got 1 of 81 drafts accepted,
-# 2-grams 7 of 60, 3- and 4-grams 23 of 49
+TRY_MIN_MATCH = 3  # an n-gram match this long is valued at the prior without a record (shorter: only with a
+# record, or alone); in auto on 15 suite prompts (one-off count) untried 1-gram matches got 1 of 81 drafts
+# accepted, 2-grams 7 of 60, 3- and 4-grams 23 of 49
 LONG_CATCH_UP = 16  # catch-ups longer than this take the prefill path: their per-token cost is learned
 
 
@@ -71,6 +71,22 @@ class AutoDrafter:
         rounds_left = max(left / expected_tokens_per_round(ctl.rates()[:K]), 1.0)
         return lag * per_token / rounds_left
 
+    @staticmethod
+    def _cheap_value(ctl: DraftLengthController, K: int, match: int | None, step: float | None) -> float:
+        """Expected tokens/s of a cheap draft of K tokens from a match of length ``match``.
+
+        With a record at this match length: the record. A long match never tried: the controller's prior
+        acceptance, so it is tried when that beats what the draft model has been delivering (next to a
+        draft model that is rarely wrong, a failed try costs a round of ~K tokens). In the first round
+        nothing is measured: a long match is tried (drafting it was free). A short match without a record
+        is valued below a draft model without one (0), so it is taken only when nothing else can draft."""
+        short = match is not None and match < TRY_MIN_MATCH
+        if step is None:
+            return -1.0 if short else float("inf")
+        if ctl.t_draft is None and short:
+            return -1.0
+        return ctl.tokens_per_second(K)
+
     def propose(self, request: DraftRequest) -> Draft:
         step = self._step_seconds()
         options = []  # (expected tokens/s, name, drafter, controller, K, draft or None, seconds spent)
@@ -84,11 +100,7 @@ class AutoDrafter:
                     K = ctl.choose(draft.tokens.shape[1])
                     draft = replace(draft, tokens=draft.tokens[:, :K],
                                     draft_probs=None if draft.draft_probs is None else draft.draft_probs[:, :K])
-                    # untried (no costs measured, or never chosen at this match length): try it once, drafting it
-                    # was free; but not a short match, which next to a draft model is nearly always a wasted round
-                    match = getattr(d, "last_match", None)
-                    untried = 0.0 if match is not None and match < TRY_MIN_MATCH else float("inf")
-                    value = ctl.tokens_per_second(K) if step and ctl.t_draft is not None else untried
+                    value = self._cheap_value(ctl, K, getattr(d, "last_match", None), step)
                     options.append((value, name, d, ctl, K, draft, spent))
             else:  # value it at the K it would choose; it proposes only if chosen
                 ctl = self.controller(name)
