@@ -78,7 +78,8 @@ def _draft_quant_list(text: str) -> str:
 def engine_options(args) -> dict:
     """LLM(...) keyword arguments from the model flags."""
     return dict(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
-                draft_quant=args.draft_quant.split(",")[0], draft_vocab=args.draft_vocab, draft_vocab_table=args.draft_vocab_table,
+                draft_quant=args.draft_quant.split(",")[0],  # bench may list several: the first is the LLM's own
+                draft_vocab=args.draft_vocab, draft_vocab_table=args.draft_vocab_table,
                 weights=args.weights, draft_weights=args.draft_weights)
 
 

@@ -41,14 +41,14 @@ class LLM:
     (config.json + *.safetensors), or a .gguf file. With the default target, method "draft" loads the
     default draft model on first use if ``draft`` was not given. ``draft_quant="int4"`` (default) runs
     the draft's matrices in 4 bits on CPU (``"int8"``: 8 bits, ``"none"``: as loaded): cheaper drafting,
-    exactly the same output distribution. ``draft_vocab=N`` keeps the draft's LM head to its N most frequent tokens (FR-Spec; a table ships for the
-    default draft, ``draft_vocab_table`` names another): cheaper draft steps, same output distribution, and
-    less acceptance (off by default). ``weights="native"`` (what the default "auto" picks on CPU in bf16) keeps
-    a GGUF target's quantized matrices in their GGUF blocks (Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K): 4.5-8.5 bits
-    read per weight instead of 16, int8 activations per block of 512, and each row's logits independent
-    of how many rows a forward carries, so greedy speculative output is bitwise the greedy AR output
-    (verify passes of up to 16 tokens). ``draft_weights`` does the same for the draft (default:
-    dequantized, then ``draft_quant``).
+    exactly the same output distribution. ``draft_vocab=N`` keeps the draft's LM head to its N most frequent
+    tokens (FR-Spec; a table ships for the default draft, ``draft_vocab_table`` names another): cheaper draft
+    steps, same output distribution, and less acceptance (off by default). ``weights="native"`` (what the
+    default "auto" picks on CPU in bf16) keeps a GGUF target's quantized matrices in their GGUF blocks (Q8_0,
+    Q4_0, Q5_0, Q4_K, Q5_K, Q6_K): 4.5-8.5 bits read per weight instead of 16, int8 activations per block
+    of 512, and each row's logits independent of how many rows a forward carries, so greedy speculative
+    output is bitwise the greedy AR output (verify passes of up to 16 tokens). ``draft_weights`` does the
+    same for the draft (default: dequantized, then ``draft_quant``).
     """
 
     def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = None, dtype: str = "bfloat16",
