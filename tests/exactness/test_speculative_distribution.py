@@ -273,6 +273,18 @@ def test_quantized_draft_matches_exact_distribution(model_dirs, tables, quant):
     assert p > ALPHA, f"{quant} draft: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
 
 
+def test_negative_control_quantized_draft_with_recovery_from_p_fails(model_dirs, tables, monkeypatch):
+    """The 4-bit draft (the CPU default) through a verifier that recovers from p instead of max(0, p - q):
+    the same test must reject it, so the quantized cases above can fail."""
+    llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs["near"]), dtype="float32", draft_quant="int4")
+    llm.target.model = TableModel(llm.target.model, tables["target"])
+    params = SamplingParams(temperature=1.0)
+    monkeypatch.setattr(verispec.decoding, "verify", variant_verify("recover_from_p"))
+    counts, _ = draw(llm, 2, params, N_NEG, first_seed=550_000)
+    p = chi2_pvalue(counts, exact_joint(tables, params))
+    assert p < ALPHA, f"recovery from p with a 4-bit draft not detected: p = {p:.3g}"
+
+
 HEAD_IDS = [0, 2, 3, 5, 8, 11, 13, 14]  # the restricted draft's tokens: half the vocabulary
 
 

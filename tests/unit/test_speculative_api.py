@@ -399,3 +399,15 @@ def test_bad_draft_quant(dirs, capsys):
                "--draft-quant", "int3"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and err[0].startswith("verispec: error:"), err
+
+
+def test_with_draft_quant_shares_the_target_and_loads_its_own_draft(dirs):
+    llm = LLM(target=dirs["target"], draft=dirs["near"], dtype="float32", draft_quant="none")
+    other = llm.with_draft_quant("int4")
+    assert other.target is llm.target and other.codec is llm.codec
+    assert other.draft_calibrations is not llm.draft_calibrations
+    proj = other.draft_model().model.layers[0].mlp.down_proj
+    assert other.draft is not llm.draft and getattr(proj, "qop", None) is not None  # its own, in 4 bits
+    assert getattr(llm.draft.model.layers[0].mlp.down_proj, "qop", None) is None  # the original's stays float
+    with pytest.raises(ConfigError, match="draft_quant"):
+        llm.with_draft_quant("int3")
