@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from .config import DRAFT_QUANT_BITS
 from .errors import VerispecError
 
 EXIT_USAGE = 2
@@ -63,7 +64,7 @@ def _add_model_args(p: argparse.ArgumentParser, compare_draft_quant: bool = Fals
                    help="token-frequency table for --draft-vocab (python -m verispec.draft_vocab)")
 
 
-DRAFT_QUANTS = ("int4", "int8", "none")
+DRAFT_QUANTS = (*DRAFT_QUANT_BITS, "none")  # what --draft-quant takes
 
 
 def _draft_quant_list(text: str) -> str:
