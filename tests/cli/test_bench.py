@@ -151,7 +151,8 @@ def test_bench_bad_input(tiny_dirs, tmp_path, capsys):
                  ["--methods", "ar,draft", "--num-draft-tokens", "0"], ["--num-draft-tokens", "x"],
                  ["--prompts", str(tmp_path / "missing.jsonl")], ["--prompts", str(bad)],
                  ["--categories", "nope"], ["--limit-per-category", "0"], ["--methods", "ar,draft"],
-                 ["--draft-quant", "int8,int3"], ["--draft-quant", "int8,int8"], ["--draft-quant", ","]):
+                 ["--draft-quant", "int8,int3"], ["--draft-quant", "int8,int8"], ["--draft-quant", ","],
+                 ["--peers", "vllm"], ["--peers", "hf,nope"], ["--peers", ","]):
         rc = main(["bench", "--target", t, "--peers", "none", *argv])
         assert rc == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
@@ -169,3 +170,38 @@ def test_draft_step_microbenchmark_runs(tiny_dirs, capsys):
         assert draft_step(bad) == 2, bad
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("verispec: error:"), err
+
+
+def test_bench_llamacpp_peer(tiny_dirs, tmp_path, prompt_file, capsys, monkeypatch):
+    """--peers llamacpp: its two modes in the report beside ours (a fake peer: CI does not build llama.cpp), and a
+    one-line error for a target llama.cpp cannot read (an HF directory) or when llama-cpp-python is missing."""
+    import sys
+
+    from verispec.bench import peer_llamacpp
+
+    t = str(tiny_dirs["qwen2"])
+    argv = ["--target", t, "--draft", t, "--prompts", prompt_file, "--max-new-tokens", "6", "--methods", "ar,ngram",
+            "--num-draft-tokens", "2"]
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    assert main(["bench", "--peers", "llamacpp", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install llama-cpp-python" in err[0], err
+    monkeypatch.setattr(peer_llamacpp, "gguf_file", lambda source: __import__("pathlib").Path(source))
+
+    class FakePeer:
+        modes = ["llamacpp", "llamacpp-lookup"]
+
+        def __init__(self, source, threads):
+            assert source == t and threads >= 1
+
+        def generate(self, ids, n, mode="llamacpp", params=None):
+            return [0] * n, 0.5 if mode == "llamacpp" else 0.25
+
+    monkeypatch.setattr(peer_llamacpp, "LlamaCppPeer", FakePeer)
+    rc, report = bench(tmp_path, "--peers", "llamacpp", *argv)
+    assert rc == 0 and set(report["peers"]) == {"llamacpp", "llamacpp-lookup"}
+    assert report["peers"]["llamacpp-lookup"]["speedup"] == 2.0  # against llama.cpp's own plain run
+    assert report["peers"]["llamacpp"]["counterpart"] == "ar"
+    assert report["peers"]["llamacpp-lookup"]["counterpart"] == "ngram:K=2"
+    assert "hf_ms_per_token" not in report["runs"][0]
+    assert "| llamacpp | overall |" in capsys.readouterr().out

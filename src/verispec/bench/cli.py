@@ -9,6 +9,7 @@ so an interrupted run keeps what it measured.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import json
@@ -47,8 +48,10 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--categories", default=None, help="comma-separated categories to run (default: all)")
     b.add_argument("--limit-per-category", type=int, default=None, help="at most N prompts per category")
     b.add_argument("--limit", type=int, default=None, help="at most N prompts in all (categories interleaved)")
-    b.add_argument("--peers", default="hf", choices=["hf", "none"],
-                   help="also run transformers generate(): plain, assistant_model=, prompt_lookup_num_tokens= (default: hf)")
+    b.add_argument("--peers", default="hf", type=_peer_list,
+                   help="comma-separated peers run on the same prompts: hf = transformers generate() (plain, "
+                        "assistant_model=, prompt_lookup_num_tokens=), llamacpp = llama.cpp on the same GGUF file "
+                        "(plain, prompt lookup; needs llama-cpp-python); none (default: hf)")
     chat = b.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="apply the tokenizer's chat template (default: on when the tokenizer has one)")
@@ -56,6 +59,20 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--json", dest="json_out", default=None, help="write the report here (rewritten after every prompt)")
     b.add_argument("--plot", default=None, help="write a PNG: speedup per category, per-position acceptance, tau")
     b.add_argument("--quick", action="store_true", help="one prompt per category, 32 new tokens (a few minutes)")
+
+
+PEERS = ("hf", "llamacpp")
+
+
+def _peer_list(text: str) -> list[str]:
+    names = [v.strip() for v in text.split(",") if v.strip()]
+    if names == ["none"]:
+        return []
+    bad = [n for n in names if n not in PEERS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown peer {bad[0] if bad else text!r} (choose from {', '.join(PEERS)}, "
+                                         "comma-separated, or none)")
+    return list(dict.fromkeys(names))
 
 
 def _int_list(text: str, flag: str) -> list[int]:
@@ -147,11 +164,13 @@ def _native(model) -> list:
 
 
 def run_bench(args) -> int:
+    import torch
     from tqdm import tqdm
 
     from .. import LLM, SamplingParams
     from ..cli import engine_options
     from .hardware import environment, read_bandwidth_gbs
+    from .peer_llamacpp import LlamaCppPeer
     from .peers import HFPeer
     from .report import markdown, summarize
     from .runner import run_prompt, verify_cost_curve
@@ -184,10 +203,12 @@ def run_bench(args) -> int:
               f"{n_new} new tokens: {', '.join(skipped[:5])}{', ...' if len(skipped) > 5 else ''}", file=sys.stderr)
     prompts, encoded = [p for p, _ in fits], [ids for _, ids in fits]
     masked = [] if llm.logit_mask is None else llm.logit_mask.nonzero().flatten().tolist()
-    peer = None
-    if args.peers == "hf":
+    peers = []
+    if "hf" in args.peers:
         draft_src = llm.draft.source if llm.draft is not None else None
-        peer = HFPeer(args.target, llm.dtype, llm.device, masked, draft=draft_src)
+        peers.append(HFPeer(args.target, llm.dtype, llm.device, masked, draft=draft_src))
+    if "llamacpp" in args.peers:
+        peers.append(LlamaCppPeer(args.target, torch.get_num_threads()))
 
     bandwidths = [read_bandwidth_gbs(device=llm.device)]  # measured again at the end: the best is the floor
     curve = verify_cost_curve(llm)
@@ -195,8 +216,9 @@ def run_bench(args) -> int:
     llm.generate(encoded[0], warm)
     for _, spec, owner in spec_runs:
         owner.generate(encoded[0], warm, **dataclasses.asdict(spec))
-    for mode in peer.modes if peer else ():
-        peer.generate(encoded[0], 4, mode)
+    for peer in peers:
+        for mode in peer.modes:
+            peer.generate(encoded[0], 4, mode)
 
     report = {
         "command": "verispec " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "verispec" else None,
@@ -229,7 +251,7 @@ def run_bench(args) -> int:
 
     try:
         for p, ids in tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", file=sys.stderr):
-            runs, peer_runs = run_prompt(llm, p, ids, params, spec_runs, peer)
+            runs, peer_runs = run_prompt(llm, p, ids, params, spec_runs, peers)
             report["runs"] += runs
             report["peer_runs"] += peer_runs
             finish(final=False)

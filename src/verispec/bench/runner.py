@@ -10,8 +10,8 @@ from ..config import SamplingParams, SpecConfig
 
 
 def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: list[tuple[str, SpecConfig, object]],
-               peer=None) -> tuple[list[dict], list[dict]]:
-    """Our AR (the baseline), the peer's modes, then every speculative method/K on one prompt.
+               peers=()) -> tuple[list[dict], list[dict]]:
+    """Our AR (the baseline), each peer's modes, then every speculative method/K on one prompt.
 
     ``spec_runs``: (label, SpecConfig, the LLM that runs it: ``llm`` or one sharing its target with another
     draft format).
@@ -20,9 +20,9 @@ def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: l
     ar = llm.generate(ids, params)
     runs = [_record(prompt, ids, "ar", "ar", None, ar.stats, True)]
     peer_runs = []
-    if peer:
-        n_new = params.max_new_tokens
-        if params.greedy:  # decode-only time of transformers' plain generate, for the decode table
+    n_new = params.max_new_tokens
+    for peer in peers:
+        if params.greedy and "hf" in peer.modes:  # decode-only time of transformers' plain generate (decode table)
             _, prefill = peer.generate(ids, 1, "hf", params)
         for mode in peer.modes:
             tokens, wall = peer.generate(ids, n_new, mode, params)

@@ -189,7 +189,7 @@ __attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
 // lane_scales with AVX512: the same exact products, 16 lanes at a time
 template <int KIND>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
-static void lane_scales_avx512(int64_t B, int64_t k0, const uint8_t* s, float* sv, float* mv) {
+__attribute__((always_inline)) inline void lane_scales_avx512(int64_t B, int64_t k0, const uint8_t* s, float* sv, float* mv) {
   if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
     const uint8_t* r = s + (k0 / 256) * 20;
     const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 4));  // sc[8], mn[8]
@@ -199,8 +199,12 @@ static void lane_scales_avx512(int64_t B, int64_t k0, const uint8_t* s, float* s
       const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 24));
       sc = _mm_unpacklo_epi64(v0, v1);
       mn = _mm_unpackhi_epi64(v0, v1);
-      d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_f16c(r)), _mm512_set1_ps(half_f16c(r + 20)));
-      dmin = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_f16c(r + 2)), _mm512_set1_ps(half_f16c(r + 22)));
+      int32_t h0, h1;  // (d, dmin) of the block's two records, converted together
+      std::memcpy(&h0, r, 4);
+      std::memcpy(&h1, r + 20, 4);
+      const __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1)));
+      d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), f);
+      dmin = _mm512_permutexvar_ps(_mm512_setr_epi32(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3), f);
     } else {  // lane l: group l / 2
       sc = _mm_shuffle_epi8(v0, _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7));
       mn = _mm_shuffle_epi8(v0, _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15));
@@ -216,7 +220,11 @@ static void lane_scales_avx512(int64_t B, int64_t k0, const uint8_t* s, float* s
       const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 20));
       const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
       const __m128i a0 = _mm_shuffle_epi8(v0, eo), a1 = _mm_shuffle_epi8(v1, eo);
-      const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(half_f16c(r)), _mm512_set1_ps(half_f16c(r + 18)));
+      int32_t h0 = 0, h1 = 0;
+      std::memcpy(&h0, r, 2);
+      std::memcpy(&h1, r + 18, 2);
+      const __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1)));
+      const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), f);
       _mm512_storeu_ps(sv, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(a0, a1)))));
       _mm512_storeu_ps(mv, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(a0, a1)))));
     } else {
@@ -236,12 +244,21 @@ static void lane_scales_avx512(int64_t B, int64_t k0, const uint8_t* s, float* s
   }
 }
 
-using ScalesFn = void (*)(int64_t, int64_t, const uint8_t*, float*, float*);
+// Every lane scale and min of one tile: [nb][NR][16] each. rsb: scale bytes per weight row.
+template <int KIND>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
+static void tile_scales_avx512(const Blocks& bl, const uint8_t* st, int64_t rsb, float* sv, float* mv) {
+  for (int64_t b = 0; b < bl.count; ++b)
+    for (int64_t j = 0; j < NR; ++j)
+      lane_scales_avx512<KIND>(bl.size[b], bl.k0[b], st + j * rsb, sv + (b * NR + j) * LANES, mv + (b * NR + j) * LANES);
+}
+
+using ScalesFn = void (*)(const Blocks&, const uint8_t*, int64_t, float*, float*);
 ScalesFn scales_for(int64_t kind) {
   switch (kind) {
-    case kQ4_K: case kQ5_K: return lane_scales_avx512<kQ4_K>;
-    case kQ6_K: return lane_scales_avx512<kQ6_K>;
-    default: return lane_scales_avx512<kQ8_0>;
+    case kQ4_K: case kQ5_K: return tile_scales_avx512<kQ4_K>;
+    case kQ6_K: return tile_scales_avx512<kQ6_K>;
+    default: return tile_scales_avx512<kQ8_0>;
   }
 }
 
@@ -486,15 +503,13 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
       const uint8_t* qt = sg.q + t * sg.tile_q;
       const uint8_t* st = sg.s + t * sg.tile_s;
       const ScalesFn fast = vec ? scales_for(sg.kind) : nullptr;
-      for (int64_t b = 0; b < bl.count; ++b)
-        for (int64_t j = 0; j < NR; ++j) {
-          float* svp = sv.data() + (b * NR + j) * LANES;
-          float* mvp = mv.data() + (b * NR + j) * LANES;
-          if (fast)
-            fast(bl.size[b], bl.k0[b], st + j * rsb, svp, mvp);
-          else
-            lane_scales(sg.kind, bl.size[b], bl.k0[b], st + j * rsb, svp, mvp);
-        }
+      if (fast)
+        fast(bl, st, rsb, sv.data(), mv.data());
+      else
+        for (int64_t b = 0; b < bl.count; ++b)
+          for (int64_t j = 0; j < NR; ++j)
+            lane_scales(sg.kind, bl.size[b], bl.k0[b], st + j * rsb, sv.data() + (b * NR + j) * LANES,
+                        mv.data() + (b * NR + j) * LANES);
       const uint8_t* next = t + 1 < sg.tiles ? qt + sg.tile_q : nullptr;  // prefetched by the first pass
       if (next)
         for (int64_t p = 0; p < sg.tile_s; p += 64) _mm_prefetch(reinterpret_cast<const char*>(st + sg.tile_s + p), _MM_HINT_T0);

@@ -1,0 +1,69 @@
+"""llama.cpp (through llama-cpp-python) on the same GGUF file, timed the same way as ours.
+
+Two modes, each with llama-cpp-python's own defaults for its speculative knob (what a user gets):
+``llamacpp`` (plain decoding) and ``llamacpp-lookup`` (its prompt-lookup draft,
+``LlamaPromptLookupDecoding``: n-grams of up to 2 tokens, 10 drafted tokens). Its high-level API has no
+separate draft model. Optional: ``pip install llama-cpp-python`` (it compiles llama.cpp, a few minutes).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from ..config import SamplingParams
+from ..errors import VerispecError
+
+CONTEXT = 4096  # tokens of KV cache: the longest built-in prompt plus its new tokens fit with room to spare
+
+
+def gguf_file(source: str) -> Path:
+    """The GGUF file behind ``source`` (a registry name or a .gguf path); llama.cpp reads nothing else."""
+    from ..models import registry
+
+    if source in registry.REGISTRY:
+        return registry.gguf_path(source)
+    path = Path(source)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise VerispecError(f"--peers llamacpp needs a GGUF target (a .gguf file or a registry name), got {source}")
+    return path
+
+
+class LlamaCppPeer:
+    modes = ["llamacpp", "llamacpp-lookup"]
+
+    def __init__(self, source: str, threads: int, context: int = CONTEXT):
+        try:
+            import llama_cpp
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        except ImportError:
+            raise VerispecError("--peers llamacpp needs llama-cpp-python: pip install llama-cpp-python") from None
+        path = str(gguf_file(source))
+        kw = dict(n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+        try:  # two contexts on one mmapped file: the lookup draft is fixed when a context is made
+            self.models = {"llamacpp": llama_cpp.Llama(path, **kw),
+                           "llamacpp-lookup": llama_cpp.Llama(path, draft_model=LlamaPromptLookupDecoding(), **kw)}
+        except Exception as e:  # llama-cpp-python raises ValueError / RuntimeError with its own wording
+            raise VerispecError(f"llama.cpp cannot load {path}: {str(e).splitlines()[0][:200]}") from None
+        self.context = context
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "llamacpp",
+                 params: SamplingParams | None = None) -> tuple[list[int], float]:
+        """Generate exactly max_new_tokens (EOS does not stop it); return (new token ids, wall seconds)."""
+        params = params or SamplingParams()
+        if len(prompt_ids) + max_new_tokens > self.context:
+            raise VerispecError(f"llama.cpp peer: {len(prompt_ids)} + {max_new_tokens} tokens exceed its "
+                                f"{self.context}-token context")
+        model = self.models[mode]
+        model.reset()  # no prompt cache from an earlier run: every run pays its own prefill
+        if not params.greedy and params.seed is not None:
+            model.set_seed(params.seed)
+        sampling = dict(temp=0.0, top_k=1) if params.greedy else dict(
+            temp=params.temperature, top_k=params.top_k, top_p=params.top_p)
+        out = []
+        t0 = time.perf_counter()
+        for token in model.generate(prompt_ids, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, **sampling):
+            out.append(int(token))
+            if len(out) == max_new_tokens:
+                break
+        return out, time.perf_counter() - t0
