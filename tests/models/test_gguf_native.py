@@ -365,6 +365,22 @@ def test_rows_do_not_depend_on_the_rest_of_the_call(name, dtype):
     assert torch.equal(linear(x[:32].reshape(4, 8, K), nw), full[:32].reshape(4, 8, -1))
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+def test_long_inputs_in_row_blocks_give_each_row_its_own_result(name):
+    """Prefill-length inputs run in blocks of rows (as many as fit ~256 KB of int8 activations: 16 rows at
+    K = 16384), each block over every tile: rows in the second and third block, and a block of 1-3 rows at
+    the end, must come out bitwise as they do alone."""
+    K = 16384
+    nw, W, _ = matrix(parts_of(name), K, seed=16)
+    x = activations(38, K, seed=17)  # blocks of 16, 16 and 6 rows
+    full = linear(x, nw)
+    assert len({tuple(r.tolist()) for r in full}) == 38
+    for i in (0, 15, 16, 17, 31, 32, 37):
+        assert torch.equal(linear(x[i:i + 1], nw), full[i:i + 1]), i
+    assert torch.equal(linear(x[:35], nw), full[:35])  # a last block of 3 rows
+    assert bound_check(full, x, W, None) <= 1.0
+
+
 def test_rows_do_not_depend_on_the_thread_split():
     nw, _, _ = matrix((("Q4_K", 21), ("Q8_0", 19)), 512, seed=14)  # 11 tiles: split across threads
     x = activations(5, 512, seed=15)

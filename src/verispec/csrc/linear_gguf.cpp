@@ -492,6 +492,12 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
   auto yf = torch::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = yf.data_ptr<float>();
   const bool vec = has_vnni();
+  // Long inputs (prefill) in blocks of rows whose int8 activations fit in L2 (~256 KB), each block passing
+  // over every tile: otherwise each 4-row weight tile re-reads all M rows from L3 (-10% at M = 300, K = 8960).
+  // A row's arithmetic is the same in any block.
+  const int64_t rows_per_block = std::max<int64_t>(16, (262144 / K) / MT * MT);
+  for (int64_t m_lo = 0; m_lo < M; m_lo += rows_per_block) {
+  const int64_t m_hi = std::min(M, m_lo + rows_per_block);
   at::parallel_for(0, total_tiles, 4, [&](int64_t t0, int64_t t1) {
     std::vector<float> sv(bl.count * NR * LANES), mv(bl.count * NR * LANES), dots(MT * NR);
     size_t si = 0;
@@ -516,9 +522,9 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
       TileArgs ta{&a, &bl, qt, sg.qo.data(), sv.data(), mv.data(), next};
       TileArgs tn = ta;
       tn.pf = nullptr;
-      for (int64_t m = 0; m < M;) {
-        const int64_t mr = std::min(MT, M - m);
-        const TileArgs& tm = m == 0 ? ta : tn;
+      for (int64_t m = m_lo; m < m_hi;) {
+        const int64_t mr = std::min(MT, m_hi - m);
+        const TileArgs& tm = m == m_lo ? ta : tn;
         if (vec && mr == 4) {  // 4 x 4: -10% at M = 4 and 8 against two 4 x 2 passes (byte types -19%)
           rows_for<4, 4>(sg.kind)(tm, m, 0, dots.data());
         } else if (vec && mr == 3) {
@@ -539,6 +545,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
       }
     }
   });
+  }
   return finish_output(yf, x, N);
 }
 
