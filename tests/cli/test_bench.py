@@ -191,8 +191,8 @@ def test_bench_llamacpp_peer(tiny_dirs, tmp_path, prompt_file, capsys, monkeypat
     class FakePeer:
         modes = ["llamacpp", "llamacpp-lookup"]
 
-        def __init__(self, source, threads):
-            assert source == t and threads >= 1
+        def __init__(self, source, threads, context):
+            assert source == t and threads >= 1 and context >= 512
 
         def generate(self, ids, n, mode="llamacpp", params=None):
             return [0] * n, 0.5 if mode == "llamacpp" else 0.25

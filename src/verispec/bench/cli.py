@@ -208,7 +208,8 @@ def run_bench(args) -> int:
         draft_src = llm.draft.source if llm.draft is not None else None
         peers.append(HFPeer(args.target, llm.dtype, llm.device, masked, draft=draft_src))
     if "llamacpp" in args.peers:
-        peers.append(LlamaCppPeer(args.target, torch.get_num_threads()))
+        context = max(len(ids) for ids in encoded) + n_new + 8  # room for the longest prompt: never cut short
+        peers.append(LlamaCppPeer(args.target, torch.get_num_threads(), context=max(context, 512)))
 
     bandwidths = [read_bandwidth_gbs(device=llm.device)]  # measured again at the end: the best is the floor
     curve = verify_cost_curve(llm)

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..config import SamplingParams
 from ..errors import VerispecError
 
-CONTEXT = 4096  # tokens of KV cache: the longest built-in prompt plus its new tokens fit with room to spare
+CONTEXT = 4096  # tokens of KV cache by default (verispec bench sizes it to its longest prompt)
 
 
 def gguf_file(source: str) -> Path:
