@@ -20,7 +20,6 @@ Rules:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -30,8 +29,13 @@ N_MAX, N_MIN = 4, 1
 
 
 def greedy_outputs(categories, per_category, cache: Path) -> dict:
-    outs = json.loads(cache.read_text()) if cache.exists() else {}
     from verispec.bench.prompts import builtin_suite, select
+    from verispec.errors import VerispecError
+
+    try:
+        outs = json.loads(cache.read_text()) if cache.exists() else {}
+    except (OSError, ValueError) as e:
+        raise VerispecError(f"cannot read the cache {cache}: {e}") from None
 
     todo = [p for p in select(builtin_suite(), categories, per_category) if p.id not in outs]
     if todo:
@@ -101,12 +105,17 @@ def replay(outs: dict, K: int, budget: int, pool: bool, chain: bool) -> dict[str
     return {c: statistics.median(v) for c, v in per_cat.items()}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    from verispec.cli import _Parser, run_tool
+
+    ap = _Parser(prog="python3 scripts/ngram_replay.py", description=__doc__.split("\n")[0])
     ap.add_argument("--categories", default="summarization,rag")
     ap.add_argument("--limit-per-category", type=int, default=8)
     ap.add_argument("--cache", default="ngram_replay_outputs.json")
-    args = ap.parse_args()
+    return run_tool(ap, argv, report)  # bad input: one line, exit 2
+
+
+def report(args) -> None:
     cats = args.categories.split(",")
     outs = greedy_outputs(cats, args.limit_per_category, Path(args.cache))
     rows = [("chain", 4, 4), ("chain", 8, 8), ("tree", 4, 8), ("tree", 4, 16), ("tree", 8, 16), ("tree", 8, 32),
@@ -117,7 +126,6 @@ def main() -> int:
         alone, pooled = (replay(outs, K, budget, pool, rule == "chain") for pool in (False, True))
         print(f"| {rule} | {K} | {budget} | " + " | ".join(f"{alone[c]:.2f}" for c in cats) + " | "
               + " | ".join(f"{pooled[c]:.2f}" for c in cats) + " |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -173,8 +173,8 @@ def test_draft_step_microbenchmark_runs(tiny_dirs, capsys):
 
 
 def test_bench_llamacpp_peer(tiny_dirs, tmp_path, prompt_file, capsys, monkeypatch):
-    """--peers llamacpp: its two modes in the report beside ours (a fake peer: CI does not build llama.cpp), and a
-    one-line error for a target llama.cpp cannot read (an HF directory) or when llama-cpp-python is missing."""
+    """--peers llamacpp: a one-line error when llama-cpp-python is missing; its two modes in the report beside
+    ours (a fake peer: CI does not build llama.cpp; tests/unit/test_peer_llamacpp.py tests the peer itself)."""
     import sys
 
     from verispec.bench import peer_llamacpp
@@ -186,7 +186,6 @@ def test_bench_llamacpp_peer(tiny_dirs, tmp_path, prompt_file, capsys, monkeypat
     assert main(["bench", "--peers", "llamacpp", *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install llama-cpp-python" in err[0], err
-    monkeypatch.setattr(peer_llamacpp, "gguf_file", lambda source: __import__("pathlib").Path(source))
 
     class FakePeer:
         modes = ["llamacpp", "llamacpp-lookup"]

@@ -497,54 +497,54 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
   // A row's arithmetic is the same in any block.
   const int64_t rows_per_block = std::max<int64_t>(16, (262144 / K) / MT * MT);
   for (int64_t m_lo = 0; m_lo < M; m_lo += rows_per_block) {
-  const int64_t m_hi = std::min(M, m_lo + rows_per_block);
-  at::parallel_for(0, total_tiles, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<float> sv(bl.count * NR * LANES), mv(bl.count * NR * LANES), dots(MT * NR);
-    size_t si = 0;
-    int64_t base = 0;  // first global tile of segs[si]
-    for (int64_t g = t0; g < t1; ++g) {
-      while (g >= base + segs[si].tiles) base += segs[si++].tiles;
-      const Segment& sg = segs[si];
-      const int64_t t = g - base, rsb = sg.tile_s / NR;
-      const uint8_t* qt = sg.q + t * sg.tile_q;
-      const uint8_t* st = sg.s + t * sg.tile_s;
-      const ScalesFn fast = vec ? scales_for(sg.kind) : nullptr;
-      if (fast)
-        fast(bl, st, rsb, sv.data(), mv.data());
-      else
-        for (int64_t b = 0; b < bl.count; ++b)
-          for (int64_t j = 0; j < NR; ++j)
-            lane_scales(sg.kind, bl.size[b], bl.k0[b], st + j * rsb, sv.data() + (b * NR + j) * LANES,
-                        mv.data() + (b * NR + j) * LANES);
-      const uint8_t* next = t + 1 < sg.tiles ? qt + sg.tile_q : nullptr;  // prefetched by the first pass
-      if (next)
-        for (int64_t p = 0; p < sg.tile_s; p += 64) _mm_prefetch(reinterpret_cast<const char*>(st + sg.tile_s + p), _MM_HINT_T0);
-      TileArgs ta{&a, &bl, qt, sg.qo.data(), sv.data(), mv.data(), next};
-      TileArgs tn = ta;
-      tn.pf = nullptr;
-      for (int64_t m = m_lo; m < m_hi;) {
-        const int64_t mr = std::min(MT, m_hi - m);
-        const TileArgs& tm = m == m_lo ? ta : tn;
-        if (vec && mr == 4) {  // 4 x 4: -10% at M = 4 and 8 against two 4 x 2 passes (byte types -19%)
-          rows_for<4, 4>(sg.kind)(tm, m, 0, dots.data());
-        } else if (vec && mr == 3) {
-          const RowsFn f = rows_for<3, 2>(sg.kind);
-          f(tm, m, 0, dots.data());
-          f(tn, m, 2, dots.data());
-        } else if (vec) {
-          for (int64_t i = 0; i < mr; i += 2)
-            (mr - i >= 2 ? rows_for<2, 4>(sg.kind) : rows_for<1, 4>(sg.kind))(i == 0 ? tm : tn, m + i, 0, dots.data() + i * NR);
-        } else {
-          rows_portable(sg.kind, ta, m, mr, dots.data());
+    const int64_t m_hi = std::min(M, m_lo + rows_per_block);
+    at::parallel_for(0, total_tiles, 4, [&](int64_t t0, int64_t t1) {
+      std::vector<float> sv(bl.count * NR * LANES), mv(bl.count * NR * LANES), dots(MT * NR);
+      size_t si = 0;
+      int64_t base = 0;  // first global tile of segs[si]
+      for (int64_t g = t0; g < t1; ++g) {
+        while (g >= base + segs[si].tiles) base += segs[si++].tiles;
+        const Segment& sg = segs[si];
+        const int64_t t = g - base, rsb = sg.tile_s / NR;
+        const uint8_t* qt = sg.q + t * sg.tile_q;
+        const uint8_t* st = sg.s + t * sg.tile_s;
+        const ScalesFn fast = vec ? scales_for(sg.kind) : nullptr;
+        if (fast)
+          fast(bl, st, rsb, sv.data(), mv.data());
+        else
+          for (int64_t b = 0; b < bl.count; ++b)
+            for (int64_t j = 0; j < NR; ++j)
+              lane_scales(sg.kind, bl.size[b], bl.k0[b], st + j * rsb, sv.data() + (b * NR + j) * LANES,
+                          mv.data() + (b * NR + j) * LANES);
+        const uint8_t* next = t + 1 < sg.tiles ? qt + sg.tile_q : nullptr;  // prefetched by the first pass
+        if (next)
+          for (int64_t p = 0; p < sg.tile_s; p += 64) _mm_prefetch(reinterpret_cast<const char*>(st + sg.tile_s + p), _MM_HINT_T0);
+        TileArgs ta{&a, &bl, qt, sg.qo.data(), sv.data(), mv.data(), next};
+        TileArgs tn = ta;
+        tn.pf = nullptr;
+        for (int64_t m = m_lo; m < m_hi;) {
+          const int64_t mr = std::min(MT, m_hi - m);
+          const TileArgs& tm = m == m_lo ? ta : tn;
+          if (vec && mr == 4) {  // 4 x 4: -10% at M = 4 and 8 against two 4 x 2 passes (byte types -19%)
+            rows_for<4, 4>(sg.kind)(tm, m, 0, dots.data());
+          } else if (vec && mr == 3) {
+            const RowsFn f = rows_for<3, 2>(sg.kind);
+            f(tm, m, 0, dots.data());
+            f(tn, m, 2, dots.data());
+          } else if (vec) {
+            for (int64_t i = 0; i < mr; i += 2)
+              (mr - i >= 2 ? rows_for<2, 4>(sg.kind) : rows_for<1, 4>(sg.kind))(i == 0 ? tm : tn, m + i, 0, dots.data() + i * NR);
+          } else {
+            rows_portable(sg.kind, ta, m, mr, dots.data());
+          }
+          for (int64_t j = 0; j < NR && t * NR + j < sg.rows; ++j) {
+            const int64_t n = sg.n0 + t * NR + j;
+            for (int64_t i = 0; i < mr; ++i) yp[(m + i) * N + n] = dots[i * NR + j] + (bp ? bp[n] : 0.0f);
+          }
+          m += mr;
         }
-        for (int64_t j = 0; j < NR && t * NR + j < sg.rows; ++j) {
-          const int64_t n = sg.n0 + t * NR + j;
-          for (int64_t i = 0; i < mr; ++i) yp[(m + i) * N + n] = dots[i * NR + j] + (bp ? bp[n] : 0.0f);
-        }
-        m += mr;
       }
-    }
-  });
+    });
   }
   return finish_output(yf, x, N);
 }
