@@ -400,15 +400,22 @@ def test_portable_path_agrees_with_the_avx512_path_bitwise(name):
     if "vnni" not in kernels.isa():
         pytest.skip(f"this CPU has no AVX512-VNNI ({kernels.isa()}): only the portable path exists here "
                     "(test_kernel_matches_float64_references[portable] still checks it)")
-    nw, _, _ = matrix(parts_of(name), 512, seed=16)
+    # every block size the activations are cut into (512, 256, 128; K-quants: 512, 256), and every row tiling
+    # (M = 5, 9, 10: 5 x 4 tiles)
+    K = 768 if any(t in SCALE_BYTES for t, _ in parts_of(name)) else 896
+    nw, _, _ = matrix(parts_of(name), K, seed=16)
+    sizes = (1, 2, 3, 5, 9, 10, 16, 17)
     for dtype in (torch.float32, torch.bfloat16):
-        x = activations(17, 512, seed=17, dtype=dtype)
+        x = activations(17, K, seed=17, dtype=dtype)
+        # row 0 rounds exact halves (scale 1 in every block: max |x| = 127): ties go to even on both paths
+        x[0] = ((torch.arange(K) % 7) - 3 + 0.5).to(dtype)
+        x[0, [k0 for k0, _ in gn.blocks(K)]] = 127
         bias = torch.randn(nw.out_features)
-        fast = [linear(x[:M], nw, bias) for M in (1, 2, 3, 16, 17)]
+        fast = [linear(x[:M], nw, bias) for M in sizes]
         kernels.force_portable(True)
         try:
             assert "portable" in kernels.isa()
-            slow = [linear(x[:M], nw, bias) for M in (1, 2, 3, 16, 17)]
+            slow = [linear(x[:M], nw, bias) for M in sizes]
         finally:
             kernels.force_portable(False)
         assert "vnni" in kernels.isa()
