@@ -119,6 +119,7 @@ class Linear(nn.Linear):
     qop = None  # torch.ops.verispec.linear_int8 / linear_q4 when the matrix is quantized
     qweights: tuple = ()  # the op's packed weight tensors (see pack_int8 / pack_q4)
     qbias: torch.Tensor | None = None  # float32 bias for the op
+    in_huge_pages = False  # qweights copied into 2 MB pages (hugepages.place_model)
 
     def pack(self) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
@@ -136,6 +137,7 @@ class Linear(nn.Linear):
             raise ValueError(f"bits must be one of {sorted(QUANT_BITS)}, got {bits}")
         pack, op = QUANT_BITS[bits]
         self.qweights, self.qop = pack(self.dense_weight()), getattr(kernels.ops, op)
+        self.in_huge_pages = False
         self.qbias = None if self.bias is None else self.bias.detach().float()
 
     def _drop_plain_weight(self) -> None:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from . import hugepages
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .linear import Linear, can_pack, can_quantize
@@ -197,6 +198,7 @@ class Transformer(nn.Module):
                 m.quantize(bits)
         for layer in self.layers:
             layer._fused = None  # the fused layer's weight list is rebuilt from the new matrices
+        hugepages.place_model(self)
         self.fused_quantized = True
         return True
 

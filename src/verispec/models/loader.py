@@ -19,6 +19,7 @@ import torch
 from .. import kernels
 from ..config import WEIGHTS
 from ..errors import VerispecError
+from . import hugepages
 from .config import ModelConfig
 from .gguf_native import NativePart, NativeWeight
 from .linear import Linear
@@ -308,4 +309,5 @@ def build_model(cfg: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]]
     model.fused_quantized = bool(native) and all(m.native is not None for m in layer_linears)
     model.inv_freq = rope_inv_freq(cfg).to(device)  # built on meta above
     model.pack_weights()
+    hugepages.place_model(model)  # native matrices: streamed every step
     return model

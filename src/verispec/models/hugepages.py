@@ -1,0 +1,73 @@
+"""The matrices the C++ kernels stream, copied once into 2 MB pages.
+
+A decode step reads every weight byte once. In 4 KB pages that is a TLB miss every 4 KB, and the CPU's
+stream prefetchers stop at every page boundary. Linux backs memory with 2 MB pages (transparent huge pages)
+where a mapping asks for them with madvise(MADV_HUGEPAGE), which is what most distributions' default
+("madvise") needs. On the 1.5B native target this made a forward over 1 / 4 / 8 new tokens 2.5% / 7% / 9%
+faster (docs/BENCHMARKS.md, ninth session).
+
+``place_model`` copies the kernels' tensors (GGUF native blocks, the draft's int8 / 4-bit copies) side by side
+into one such mapping, 64-byte aligned, and points the layers at the copies; the values are unchanged. Where
+madvise is missing (another OS) or refused, or ``VERISPEC_HUGE_PAGES=0``, the tensors stay where they are.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import torch
+
+PAGE = 2 << 20  # bytes in a huge page
+ALIGN = 64  # each tensor starts on a cache line
+
+
+def available() -> bool:
+    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("VERISPEC_HUGE_PAGES", "1") != "0"
+
+
+def relocate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` (CPU) in one anonymous mapping advised for huge pages, starting on a 2 MB
+    boundary; ``tensors`` itself (the same list) where that is not available."""
+    if not tensors or not available() or any(t.device.type != "cpu" for t in tensors):
+        return tensors
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // ALIGN) * ALIGN
+    try:
+        area = mmap.mmap(-1, total + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        area.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the copies below fault in 2 MB pages
+    except (OSError, ValueError):
+        return tensors
+    base = torch.frombuffer(area, dtype=torch.uint8)  # keeps the mapping alive while any view of it lives
+    start = (-base.data_ptr()) % PAGE
+    out = []
+    for t, at, n in zip(tensors, offsets, sizes):
+        copy = base[start + at:start + at + n].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        out.append(copy)
+    return out
+
+
+def place_model(model) -> int:
+    """Move the kernel tensors of every quantized or native matrix of ``model`` not placed yet into huge
+    pages (the fused layers' weight lists are rebuilt on next use); how many bytes moved."""
+    from .linear import Linear
+
+    linears = [m for m in model.modules()
+               if isinstance(m, Linear) and m.qweights and not getattr(m, "in_huge_pages", False)]
+    flat = [t for m in linears for t in m.qweights]
+    moved = relocate(flat)
+    if moved is flat:
+        return 0
+    it = iter(moved)
+    for m in linears:
+        m.qweights = tuple(next(it) for _ in m.qweights)
+        if m.native is not None:
+            m.native.q, m.native.s, m.native.meta = m.qweights
+        m.in_huge_pages = True
+    for layer in model.layers:
+        layer._fused = None
+    return sum(t.numel() * t.element_size() for t in flat)
