@@ -215,7 +215,7 @@ def test_verify_logits_are_the_ar_logits_bitwise(llms, monkeypatch):
     real = Block.forward_fused
 
     def spy(self, x, *args):
-        chunk_sizes.append(x.shape[1])
+        chunk_sizes.append(x.shape[0])  # x: [T, D]
         return real(self, x, *args)
 
     monkeypatch.setattr(Block, "forward_fused", spy)

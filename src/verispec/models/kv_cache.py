@@ -21,6 +21,7 @@ class KVCache:
         self.v = torch.empty(shape, dtype=dtype, device=device)  # [L, B, Hkv, capacity, hd]
         self.capacity = capacity
         self.length = 0
+        self.rows0 = [(self.k[i, 0], self.v[i, 0]) for i in range(num_layers)]  # each layer's batch row 0 (fused layers)
 
     @classmethod
     def for_model(cls, cfg, batch: int, capacity: int, dtype: torch.dtype, device="cpu") -> "KVCache":

@@ -145,7 +145,8 @@ class Block(nn.Module):
 
     def forward_fused(self, x, cos, sin, cache: KVCache, window: int):
         """The same layer in one C++ call (csrc/decoder_layer.cpp): one sequence, <= 16 new tokens,
-        quantized matrices, causal mask. x: [1, T, D]; cos, sin: [1, 1, T, hd] -> [1, T, D]."""
+        quantized matrices, causal mask. x: [T, D]; cos, sin: [T, hd] -> [T, D] (batch row 0 only: no
+        per-layer slicing on the way in and out)."""
         a, m = self.self_attn, self.mlp
         if self._fused is None:
             def lin(l):
@@ -155,9 +156,8 @@ class Block(nn.Module):
                             self.post_attention_layernorm.weight.detach(), *lin(m.gate_up_proj), *lin(m.down_proj)],
                            [a.h, a.hkv, a.hd, m.inter], self.input_layernorm.eps)
         weights, dims, eps = self._fused
-        y = kernels._C.decoder_layer_quantized(x[0], cos[0, 0], sin[0, 0], cache.k[a.layer, 0],
-                                               cache.v[a.layer, 0], cache.length, window, weights, dims, eps)
-        return y[None]
+        k, v = cache.rows0[a.layer]
+        return kernels._C.decoder_layer_quantized(x, cos, sin, k, v, cache.length, window, weights, dims, eps)
 
 
 class Transformer(nn.Module):
@@ -265,13 +265,18 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)  # [B, T, D]
         cos, sin = self.rope(positions, x.dtype)
         hidden = {0: x} if 0 in hidden_layers else {}
-        for i, layer in enumerate(self.layers, start=1):
-            if fused:
-                x = layer.forward_fused(x, cos, sin, cache, self.config.sliding_window or 0)
-            else:
+        if fused:  # [T, D] from layer to layer
+            h, cos0, sin0, window = x[0], cos[0, 0], sin[0, 0], self.config.sliding_window or 0
+            for i, layer in enumerate(self.layers, start=1):
+                h = layer.forward_fused(h, cos0, sin0, cache, window)
+                if i in hidden_layers:
+                    hidden[i] = h[None]
+            x = h[None]
+        else:
+            for i, layer in enumerate(self.layers, start=1):
                 x = layer(x, cos, sin, cache, mask)
-            if i in hidden_layers:
-                hidden[i] = x
+                if i in hidden_layers:
+                    hidden[i] = x
         cache.advance(T)
         if num_logits is not None:
             x = x[:, T - num_logits:]
