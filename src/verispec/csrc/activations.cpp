@@ -1,5 +1,5 @@
 // Activations of the quantized kernels (linear_int8.cpp, linear_q4.cpp): rows of x to int8 with one scale
-// per row, and the fp32 result back to x's dtype and shape.
+// per row, and the result in x's dtype and shape.
 #include "kernels.h"
 
 #include <cmath>
@@ -59,10 +59,18 @@ torch::Tensor fp32_bias(const c10::optional<torch::Tensor>& bias) {
   return bias.has_value() && bias->defined() ? bias->to(at::kFloat).contiguous() : torch::Tensor();
 }
 
-torch::Tensor finish_output(const torch::Tensor& yf, const torch::Tensor& x, int64_t N) {
+Output::Output(const torch::Tensor& x, int64_t M, int64_t N_) : N(N_) {
+  y = torch::empty({M, N}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    f = y.data_ptr<float>();
+  else
+    b = y.data_ptr<at::BFloat16>();
+}
+
+torch::Tensor Output::finish(const torch::Tensor& x) const {
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  return (x.scalar_type() == at::kFloat ? yf : yf.to(x.scalar_type())).reshape(sizes);
+  return y.reshape(sizes);
 }
 
 }  // namespace verispec

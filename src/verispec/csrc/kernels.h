@@ -22,7 +22,22 @@ struct QuantizedRows {
 };
 QuantizedRows quantize_rows(const torch::Tensor& x, int64_t Kp, const char* op);
 torch::Tensor fp32_bias(const c10::optional<torch::Tensor>& bias);  // undefined when absent
-torch::Tensor finish_output(const torch::Tensor& yf, const torch::Tensor& x, int64_t N);  // -> x's dtype, [..., N]
+// The [M, N] result of a quantized matrix product, written straight in x's dtype (a bf16 value rounded to
+// nearest even, as .to(bf16) rounds it): no fp32 temporary and no conversion pass.
+struct Output {
+  torch::Tensor y;  // [M, N]
+  float* f = nullptr;
+  at::BFloat16* b = nullptr;
+  int64_t N;
+  Output(const torch::Tensor& x, int64_t M, int64_t N);
+  void set(int64_t m, int64_t n, float v) const {
+    if (f)
+      f[m * N + n] = v;
+    else
+      b[m * N + n] = at::BFloat16(v);
+  }
+  torch::Tensor finish(const torch::Tensor& x) const;  // [..., N]
+};
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const torch::Tensor& rowsum, const c10::optional<torch::Tensor>& bias, int64_t N);

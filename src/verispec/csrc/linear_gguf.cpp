@@ -538,8 +538,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
   const Acts a = quantize_acts(x2, bl);
   const int64_t M = a.M;
   const float* bp = bt.defined() ? bt.data_ptr<float>() : nullptr;
-  auto yf = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = yf.data_ptr<float>();
+  const Output out(x, M, N);
   const bool vec = has_vnni();
   // Long inputs (prefill) in blocks of rows whose int8 activations fit in L2 (~256 KB), each block passing
   // over every tile: otherwise each 4-row weight tile re-reads all M rows from L3 (-10% at M = 300, K = 8960).
@@ -596,14 +595,14 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
           }
           for (int64_t j = 0; j < NR && t * NR + j < sg.rows; ++j) {
             const int64_t n = sg.n0 + t * NR + j;
-            for (int64_t i = 0; i < mr; ++i) yp[(m + i) * N + n] = dots[i * NR + j] + (bp ? bp[n] : 0.0f);
+            for (int64_t i = 0; i < mr; ++i) out.set(m + i, n, dots[i * NR + j] + (bp ? bp[n] : 0.0f));
           }
           m += mr;
         }
       }
     });
   }
-  return finish_output(yf, x, N);
+  return out.finish(x);
 }
 
 }  // namespace verispec

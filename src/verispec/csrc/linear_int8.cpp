@@ -115,8 +115,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   const float* sw = scale.data_ptr<float>();
   const int32_t* rs = rowsum.data_ptr<int32_t>();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  auto yf = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = yf.data_ptr<float>();
+  const Output out(x, M, N);
   const bool vec = has_vnni();
   at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
     int32_t dots[kMaxRows * NR];
@@ -135,12 +134,12 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
         const int64_t n = t * NR + j;
         for (int64_t m = 0; m < M; ++m) {
           const int32_t d = dots[m * NR + j] - 128 * rs[n];
-          yp[m * N + n] = static_cast<float>(d) * sx[m] * sw[n] + (bp ? bp[n] : 0.0f);
+          out.set(m, n, static_cast<float>(d) * sx[m] * sw[n] + (bp ? bp[n] : 0.0f));
         }
       }
     }
   });
-  return finish_output(yf, x, N);
+  return out.finish(x);
 }
 
 }  // namespace verispec

@@ -126,8 +126,7 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, con
   const auto* qp = packed.data_ptr<uint8_t>();
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
-  auto yf = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  float* yp = yf.data_ptr<float>();
+  const Output out(x, M, N);
   const bool vec = has_vnni();
   at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
     float dots[kMaxRows * NR];
@@ -145,10 +144,10 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, con
       }
       for (int64_t j = 0; j < NR && t * NR + j < N; ++j)
         for (int64_t m = 0; m < M; ++m)
-          yp[m * N + t * NR + j] = dots[m * NR + j] * sx[m] + (bp ? bp[t * NR + j] : 0.0f);
+          out.set(m, t * NR + j, dots[m * NR + j] * sx[m] + (bp ? bp[t * NR + j] : 0.0f));
     }
   });
-  return finish_output(yf, x, N);
+  return out.finish(x);
 }
 
 }  // namespace verispec
