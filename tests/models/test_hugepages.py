@@ -59,6 +59,38 @@ def test_the_mapping_is_advised_for_huge_pages():
     assert "hg" not in vm_flags(torch.frombuffer(plain, dtype=torch.uint8).data_ptr())
 
 
+def resident_kb(path) -> int:
+    """Resident kB of this process's mappings of the file ``path``."""
+    total = 0
+    for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", open("/proc/self/smaps").read()):
+        if block.split("\n")[0].endswith(str(path)):
+            total += int(re.search(r"\nRss:\s+(\d+)", block).group(1))
+    return total
+
+
+@needs_madvise
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_tensors_read_from_a_mapped_file_let_go_of_its_pages(tmp_path):
+    """The native-load cache is a safetensors file read through mmap: its pages stay mapped while any of its
+    tensors lives (the embedding table does). Copied into huge pages, the matrices' pages are handed back."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = tmp_path / "w.safetensors"
+    g = torch.Generator().manual_seed(0)
+    save_file({"q": torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, generator=g),
+               "keep": torch.ones(1 << 20, dtype=torch.uint8)}, str(path))
+    with safe_open(str(path), framework="pt") as f:
+        q, keep = f.get_tensor("q"), f.get_tensor("keep")
+    total = int(q.sum())  # every page of q read: resident
+    before = resident_kb(path)
+    assert before >= 8 << 10  # (the control: read pages of a mapped file count as resident)
+    copy = hugepages.relocate([q])[0]
+    assert int(copy.sum()) == total
+    assert resident_kb(path) < before - (7 << 10)  # q's 8 MB left the process's resident memory
+    assert int(q.sum()) == total and keep.numel() == 1 << 20  # a hint only: the file still reads the same
+
+
 def test_switched_off_or_empty_it_leaves_the_tensors_where_they_are(monkeypatch):
     ts = tensors()
     assert hugepages.relocate([]) == []
