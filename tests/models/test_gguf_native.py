@@ -365,6 +365,18 @@ def test_rows_do_not_depend_on_the_rest_of_the_call(name, dtype):
     assert torch.equal(linear(x[:32].reshape(4, 8, K), nw), full[:32].reshape(4, 8, -1))
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0"])
+def test_bf16_activations_give_their_fp32_results_rounded_to_nearest_even(name):
+    """The kernel writes bf16 results itself: each must be the fp32 result (the same activations in) rounded as
+    .to() rounds; truncating, or rounding ties away, fails."""
+    nw, _, _ = matrix(parts_of(name), 768, seed=19)
+    x = activations(9, 768, seed=20, dtype=torch.bfloat16)
+    bias = torch.randn(nw.out_features)
+    y = linear(x, nw, bias)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, linear(x.float(), nw, bias).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
 def test_long_inputs_in_row_blocks_give_each_row_its_own_result(name):
     """Prefill-length inputs run in blocks of rows (as many as fit ~256 KB of int8 activations: 16 rows at
