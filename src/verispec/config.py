@@ -20,6 +20,18 @@ def _check(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def env_flag(name: str, default: bool = True) -> bool:
+    """An on/off environment switch (VERISPEC_PACK, VERISPEC_NATIVE_CACHE, VERISPEC_HUGE_PAGES): 1 or 0;
+    anything else is refused rather than read as either."""
+    import os
+
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return default
+    _check(value in ("0", "1"), f"{name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

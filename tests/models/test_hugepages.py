@@ -53,8 +53,8 @@ def vm_flags(address: int) -> list[str]:
 def test_the_mapping_is_advised_for_huge_pages():
     out = hugepages.relocate([torch.ones(3 * hugepages.PAGE, dtype=torch.uint8)])[0]
     assert "hg" in vm_flags(out.data_ptr())  # MADV_HUGEPAGE reached the kernel
-    # control: the same kind of mapping without the advice has no such flag (torch's own allocations may
-    # carry it: its allocator can advise large blocks itself)
+    # control: the same kind of mapping without the advice has no such flag (not a torch tensor: verispec sets
+    # THP_MEM_ALLOC_ENABLE=1, so torch's allocator advises its own blocks of 2 MB and more)
     plain = mmap.mmap(-1, 3 * hugepages.PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     assert "hg" not in vm_flags(torch.frombuffer(plain, dtype=torch.uint8).data_ptr())
 

@@ -6,6 +6,10 @@ where a mapping asks for them with madvise(MADV_HUGEPAGE), which is what most di
 ("madvise") needs. On the 1.5B native target this made a forward over 1 / 4 / 8 new tokens 2.5% / 7% / 9%
 faster (docs/BENCHMARKS.md, ninth session).
 
+verispec's import already sets THP_MEM_ALLOC_ENABLE=1, so PyTorch's allocator advises its own blocks of
+2 MB and more; it does not reach these: the native blocks come from numpy or from the mapped cache file, and
+most q/k/v and output matrices are under 2 MB.
+
 ``place_model`` copies the kernels' tensors (GGUF native blocks, the draft's int8 / 4-bit copies) side by side
 into one such mapping, 64-byte aligned, and points the layers at the copies; the values are unchanged. Where
 madvise is missing (another OS) or refused, or ``VERISPEC_HUGE_PAGES=0``, the tensors stay where they are.
@@ -17,17 +21,18 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import sys
 
 import torch
+
+from ..config import env_flag
 
 PAGE = 2 << 20  # bytes in a huge page
 ALIGN = 64  # each tensor starts on a cache line
 
 
 def available() -> bool:
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("VERISPEC_HUGE_PAGES", "1") != "0"
+    return hasattr(mmap, "MADV_HUGEPAGE") and env_flag("VERISPEC_HUGE_PAGES")
 
 
 def relocate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

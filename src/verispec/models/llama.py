@@ -9,13 +9,13 @@ Q/K/V and gate/up projections are fused into one matrix each: one matrix product
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..config import env_flag
 from . import hugepages
 from .config import ModelConfig
 from .kv_cache import KVCache
@@ -182,7 +182,7 @@ class Transformer(nn.Module):
     def pack_weights(self) -> bool:
         """Pre-pack every matrix for oneDNN (CPU); returns whether it did. VERISPEC_PACK=0 disables."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.weight is not None]
-        if os.environ.get("VERISPEC_PACK", "1") == "0" or not linears or not can_pack(linears[0].weight):
+        if not env_flag("VERISPEC_PACK") or not linears or not can_pack(linears[0].weight):
             return False
         for m in linears:
             m.pack()

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .. import kernels
-from ..config import WEIGHTS
+from ..config import WEIGHTS, env_flag
 from ..errors import VerispecError
 from . import hugepages
 from .config import ModelConfig
@@ -140,7 +140,7 @@ def native_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
     the other tensors. VERISPEC_NATIVE_CACHE=0 turns it off."""
     from .registry import cache_dir
 
-    if os.environ.get("VERISPEC_NATIVE_CACHE", "1") == "0":
+    if not env_flag("VERISPEC_NATIVE_CACHE"):
         return None
     st = path.stat()
     return cache_dir() / "native" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-{str(dtype).split('.')[-1]}"
