@@ -36,10 +36,25 @@ def warn_missing(what: str) -> None:
 
 
 def isa() -> str:
-    """The instruction sets in use, e.g. 'int8:avx512-vnni', or 'none' if not built."""
+    """The instruction sets in use: 'int8:avx512-vnni', 'int8:avx2', 'int8:portable', or 'none' if not built."""
     return _C.isa() if _C is not None else "none"
 
 
+def cpu_isas() -> list[str]:
+    """The kernel paths this CPU can run, fastest first: ['avx512-vnni', 'avx2', 'portable'] or a tail of it."""
+    return list(_C.cpu_isas()) if _C is not None else []
+
+
+def fast() -> bool:
+    """Whether the quantized kernels run vectorized here (AVX512-VNNI or AVX2), not the plain C++ path."""
+    return isa().endswith(("vnni", "avx2"))
+
+
+def set_isa(name: str) -> None:
+    """Use one path: 'auto' (the fastest this CPU has), 'avx2' or 'portable' (tests compare them)."""
+    _C.set_isa(name)
+
+
 def force_portable(on: bool = True) -> None:
-    """Use the plain C++ paths instead of AVX512 (tests compare the two)."""
-    _C.set_isa("portable" if on else "auto")
+    """Use the plain C++ paths instead of AVX512 / AVX2 (tests compare the two)."""
+    set_isa("portable" if on else "auto")

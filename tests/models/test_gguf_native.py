@@ -170,16 +170,19 @@ def bound_check(y, x, W, bias, factor=1.0) -> float:
     return excess(y, ref, tol)
 
 
-@pytest.fixture(params=["auto", "portable"])
+@pytest.fixture(params=["auto", "avx2", "portable"])
 def isa(request):
-    """Both code paths; "portable" is the CPU feature fallback (what machines without AVX512-VNNI run)."""
-    kernels.force_portable(request.param == "portable")
+    """Every code path: the fastest this CPU has, AVX2 (what machines without AVX512-VNNI run) and
+    "portable", the CPU feature fallback (plain C++)."""
+    if request.param not in ("auto", *kernels.cpu_isas()):
+        pytest.skip(f"this CPU cannot run the {request.param} path ({kernels.cpu_isas()})")
+    kernels.set_isa(request.param)
     try:
-        if request.param == "portable":
-            assert "portable" in kernels.isa()
+        if request.param != "auto":
+            assert kernels.isa().endswith(request.param)
         yield request.param
     finally:
-        kernels.force_portable(False)
+        kernels.set_isa("auto")
 
 
 # --- 1. decoding -------------------------------------------------------------------------------------
@@ -329,7 +332,7 @@ def test_kernel_at_model_shapes(K, parts):
     finally:
         kernels.force_portable(False)
     assert tight_check(portable, x, W, None) <= 0
-    if "vnni" in kernels.isa():
+    if kernels.fast():
         assert torch.equal(portable, full)
 
 
@@ -407,11 +410,12 @@ def test_rows_do_not_depend_on_the_thread_split():
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("path", ["avx512-vnni", "avx2"])
 @pytest.mark.parametrize("name", TYPES + ["mixed"])
-def test_portable_path_agrees_with_the_avx512_path_bitwise(name):
-    if "vnni" not in kernels.isa():
-        pytest.skip(f"this CPU has no AVX512-VNNI ({kernels.isa()}): only the portable path exists here "
-                    "(test_kernel_matches_float64_references[portable] still checks it)")
+def test_portable_path_agrees_with_the_vector_paths_bitwise(name, path):
+    if path not in kernels.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {path} path ({kernels.cpu_isas()}); "
+                    "test_kernel_matches_float64_references still checks the others")
     # every block size the activations are cut into (512, 256, 128; K-quants: 512, 256), and every row tiling
     # (M = 5, 9, 10: 5 x 4 tiles)
     K = 768 if any(t in SCALE_BYTES for t, _ in parts_of(name)) else 896
@@ -423,16 +427,55 @@ def test_portable_path_agrees_with_the_avx512_path_bitwise(name):
         x[0] = ((torch.arange(K) % 7) - 3 + 0.5).to(dtype)
         x[0, [k0 for k0, _ in gn.blocks(K)]] = 127
         bias = torch.randn(nw.out_features)
-        fast = [linear(x[:M], nw, bias) for M in sizes]
-        kernels.force_portable(True)
         try:
+            kernels.set_isa("avx2" if path == "avx2" else "auto")
+            assert kernels.isa().endswith(path)
+            fast = [linear(x[:M], nw, bias) for M in sizes]
+            kernels.force_portable(True)
             assert "portable" in kernels.isa()
             slow = [linear(x[:M], nw, bias) for M in sizes]
         finally:
-            kernels.force_portable(False)
-        assert "vnni" in kernels.isa()
+            kernels.set_isa("auto")
         for a, b in zip(fast, slow):
             assert torch.equal(a, b), (name, dtype, a.shape)
+
+
+# where q bytes start and end in a block, by type (the rest: fp16 fields and K-quant scales)
+Q_BYTES = {"Q8_0": (2, 34), "Q4_0": (2, 18), "Q5_0": (2, 22), "Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192)}
+
+
+@pytest.mark.parametrize("path", ["avx512-vnni", "avx2"])
+@pytest.mark.parametrize("name", TYPES)
+def test_largest_products_do_not_overflow_the_vector_paths(name, path):
+    """Every q at its largest (Q8_0: -128 and 127) against activations at +-127: the AVX2 path's int16 partial
+    sums are then at their bound (4-bit: 8 chunks x 2 x 15 x 127 = 30480); one chunk more, or Q8_0 without its
+    sign trick, would saturate and differ from the portable path and from float64."""
+    if path not in kernels.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {path} path ({kernels.cpu_isas()})")
+    K, N = 1024, 8
+    block, size = GGML_QUANT_SIZES[Q[name]]
+    lo, hi = Q_BYTES[name]
+    raw = random_raw(name, N, K, np.random.default_rng(7)).reshape(N * (K // block), size)
+    raw[:, lo:hi] = 0xFF
+    if name == "Q8_0":  # rows 0-3: q = -128 everywhere (stored q bytes 0x80), rows 4-7: q = 127
+        raw.reshape(N, -1, size)[:4, :, lo:hi] = 0x80
+        raw.reshape(N, -1, size)[4:, :, lo:hi] = 0x7F
+    raw = raw.reshape(N, -1)
+    nw = gn.NativeWeight.from_segments([gn.pack(*gn.decode(raw, name, N, K), name)], K)
+    W = reference_weight(raw, name, N, K)
+    x = torch.full((4, K), 127.0)
+    x[1] = -127.0
+    x[2, ::2] = -127.0  # half the products negative
+    x[3] = torch.where(torch.from_numpy(W[0]) < 0, -127.0, 127.0)  # every product of row 0 of one sign
+    try:
+        kernels.set_isa("avx2" if path == "avx2" else "auto")
+        fast = linear(x, nw)
+        kernels.force_portable(True)
+        slow = linear(x, nw)
+    finally:
+        kernels.set_isa("auto")
+    assert torch.equal(fast, slow)
+    assert tight_check(fast, x, W, None) <= 0
 
 
 # --- 5. bad inputs -----------------------------------------------------------------------------------
@@ -793,12 +836,12 @@ def test_native_load_cache(ggufs, monkeypatch, tmp_path):
 
 
 def test_auto_weights_pick_native_only_where_it_is_fast(ggufs, tiny_dirs):
-    """weights="auto" (the default): native for a GGUF file on CPU in bf16 with the AVX512-VNNI kernel;
-    dequantized in float32, for HF directories, and where only the portable (plain C++) path exists."""
+    """weights="auto" (the default): native for a GGUF file on CPU in bf16 with a vectorized kernel (AVX512-VNNI
+    or AVX2); dequantized in float32, for HF directories, and where only the portable (plain C++) path exists."""
     path = str(ggufs["qwen2"][0])
     auto = load(path, torch.bfloat16, "cpu", progress=False, weights="auto")
-    if "vnni" not in kernels.isa():
-        pytest.skip(f"no AVX512-VNNI here ({kernels.isa()}): auto loads dequantized")
+    if not kernels.fast():
+        pytest.skip(f"no AVX512-VNNI or AVX2 here ({kernels.isa()}): auto loads dequantized")
     assert auto.model.lm_head.native is not None
     assert load(path, torch.float32, "cpu", progress=False, weights="auto").model.lm_head.native is None
     hf = load(str(tiny_dirs["qwen2"]), torch.bfloat16, "cpu", progress=False, weights="auto")

@@ -81,19 +81,26 @@ def test_a_rows_result_does_not_depend_on_how_many_rows_share_the_call(kind):
         assert torch.equal(getattr(kernels.ops, op)(x[m - 1:m], *packed, None, 300), full[m - 1:m]), m
 
 
+@pytest.mark.parametrize("path", ["avx512-vnni", "avx2"])
 @pytest.mark.parametrize("kind", list(KERNELS))
-def test_portable_path_agrees_with_the_avx512_path(kind):
+def test_portable_path_agrees_with_the_vector_paths(kind, path):
+    if path not in kernels.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {path} path ({kernels.cpu_isas()})")
     pack, op, tol = KERNELS[kind]
     torch.manual_seed(5)
     w, x = torch.randn(77, 333), torch.randn(6, 333)
     packed = pack(w)
-    fast = getattr(kernels.ops, op)(x, *packed, None, 77)
-    kernels.force_portable(True)
     try:
+        kernels.set_isa("avx2" if path == "avx2" else "auto")
+        assert kernels.isa().endswith(path)
+        fast = getattr(kernels.ops, op)(x, *packed, None, 77)
+        for m in range(1, 7):  # batch invariance on this path too
+            assert torch.equal(getattr(kernels.ops, op)(x[:m], *packed, None, 77), fast[:m]), m
+        kernels.force_portable(True)
         assert "portable" in kernels.isa()
         slow = getattr(kernels.ops, op)(x, *packed, None, 77)
     finally:
-        kernels.force_portable(False)
+        kernels.set_isa("auto")
     torch.testing.assert_close(slow, fast, rtol=tol, atol=tol)
 
 
@@ -112,6 +119,7 @@ def test_bad_calls_are_refused(kind):
 def test_forcing_an_unknown_isa_is_refused():
     with pytest.raises(RuntimeError, match="unknown ISA"):
         kernels._C.set_isa("sse9")
+    assert kernels.cpu_isas()[-1] == "portable" and kernels.isa().endswith(kernels.cpu_isas()[0])
 
 
 def test_zero_rows_and_leading_dims():

@@ -31,7 +31,8 @@ def test_int8_runs_for_draft_step_sized_calls_only(dtype):
     torch.manual_seed(1)
     lin = Linear(200, 70, bias=True).to(dtype)  # neither K nor N a multiple of the kernel's tiles
     w, b = lin.weight.detach().clone(), lin.bias.detach().clone()
-    lin.pack()
+    if can_pack(lin.weight):  # bf16 packing needs avx512_bf16 / AMX (not on an AVX2-only CPU)
+        lin.pack()
     lin.quantize(8)
     for rows in range(1, kernels.MAX_ROWS + 1):  # draft steps and their catch-ups
         x = torch.randn(1, rows, 200, dtype=dtype)

@@ -10,8 +10,10 @@ constexpr int64_t kMaxRows = 16;  // decode (1 row) and verify (k + 1 rows) call
 constexpr int64_t kChunk = 64;    // k elements per packed chunk, in both weight formats
 
 bool has_vnni();                         // whether the int8 kernels use AVX512-VNNI now
-void set_isa(const std::string& name);   // "auto" | "portable" (tests force the portable path)
+bool has_avx2();                         // whether they use the AVX2 paths now (a CPU without AVX512-VNNI, or forced)
+void set_isa(const std::string& name);   // "auto" | "avx2" | "portable" (tests force the other paths)
 std::string isa_name();
+std::vector<std::string> cpu_isas();
 
 // Activations of the quantized kernels (activations.cpp): x [..., K] -> int8 rows [M, Kp] (round to nearest,
 // max |x| -> 127, zero padding), one scale per row; checks dtype, K against Kp and M <= kMaxRows.

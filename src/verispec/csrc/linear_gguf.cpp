@@ -29,7 +29,7 @@
 // row): 16 exact int32 lane sums -> float, times the lane scales, plus the min terms, times the activation
 // block's scale, accumulated in fp32 lanes; a fixed tree sums the 16 lanes at the end. The order of every
 // operation on an output element is fixed: it does not depend on M, on the other rows in the call, on the
-// thread split, or on the instruction set (the AVX512 and portable paths agree bitwise).
+// thread split, or on the instruction set (the AVX512, AVX2 and portable paths agree bitwise).
 // Error against float64 on the dequantized weights: activation rounding, at most sum_b (sx_b / 2) sum |w_k|
 // over k in block b (sx_b = max |x| / 127 of the block), plus fp32 accumulation (tests/models/test_gguf_native.py).
 #include "kernels.h"
@@ -311,6 +311,78 @@ ScalesFn scales_for(int64_t kind) {
   }
 }
 
+// lane_scales with AVX2, eight lanes at a time: the same exact products (and the same -(dmin * mn))
+template <int KIND>
+__attribute__((target("avx2,fma,f16c"), always_inline))
+inline void lane_scales_avx2(int64_t B, int64_t k0, const uint8_t* s, float* sv, float* mv) {
+  for (int hf = 0; hf < 2; ++hf) {  // lanes 8 hf .. 8 hf + 7
+    if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+      const uint8_t* r = s + (k0 / 256) * 20;
+      __m128i sc, mn;
+      const uint8_t* rd = r;
+      if (B == 512) {  // lane l: record l / 8, group l % 8
+        rd = r + 20 * hf;
+        sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rd + 4));
+        mn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rd + 12));
+      } else {  // lane l: group l / 2
+        const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, -1, -1, -1, -1, -1, -1, -1, -1);
+        int32_t s4, m4;
+        std::memcpy(&s4, r + 4 + 4 * hf, 4);
+        std::memcpy(&m4, r + 12 + 4 * hf, 4);
+        sc = _mm_shuffle_epi8(_mm_cvtsi32_si128(s4), dup);
+        mn = _mm_shuffle_epi8(_mm_cvtsi32_si128(m4), dup);
+      }
+      const __m256 d = _mm256_set1_ps(half_f16c(rd)), dmin = _mm256_set1_ps(half_f16c(rd + 2));
+      _mm256_storeu_ps(sv + 8 * hf, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
+      _mm256_storeu_ps(mv + 8 * hf, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)))));
+    } else if constexpr (KIND == kQ6_K) {
+      const uint8_t* r = s + (k0 / 256) * 18;
+      if (B == 512) {  // lane l: record l / 8, groups 2 (l % 8) (sv) and 2 (l % 8) + 1 (mv)
+        const uint8_t* rr = r + 18 * hf;
+        const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+        const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rr + 2)), eo);
+        const __m256 d = _mm256_set1_ps(half_f16c(rr));
+        _mm256_storeu_ps(sv + 8 * hf, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+        _mm256_storeu_ps(mv + 8 * hf, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
+      } else {  // lane l: group l
+        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 2 + 8 * hf));
+        _mm256_storeu_ps(sv + 8 * hf, _mm256_mul_ps(_mm256_set1_ps(half_f16c(r)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+      }
+    } else {
+      const uint8_t* r = s + (k0 / 32) * 2;
+      __m256 v;
+      if (B == 512) {  // lane l: group l
+        v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * hf)));
+      } else if (B == 256) {  // lane l: group l / 2
+        const __m256 d4 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 8 * hf))));
+        v = _mm256_permutevar8x32_ps(d4, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+      } else {  // lane l: group l / 4
+        int32_t h2;
+        std::memcpy(&h2, r + 4 * hf, 4);
+        const __m256 d2 = _mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(h2)));
+        v = _mm256_permutevar8x32_ps(d2, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+      }
+      _mm256_storeu_ps(sv + 8 * hf, v);
+    }
+  }
+}
+
+template <int KIND>
+__attribute__((target("avx2,fma,f16c")))
+static void tile_scales_avx2(const Blocks& bl, const uint8_t* st, int64_t rsb, float* sv, float* mv) {
+  for (int64_t b = 0; b < bl.count; ++b)
+    for (int64_t j = 0; j < NR; ++j)
+      lane_scales_avx2<KIND>(bl.size[b], bl.k0[b], st + j * rsb, sv + (b * NR + j) * LANES, mv + (b * NR + j) * LANES);
+}
+
+ScalesFn scales_for_avx2(int64_t kind) {
+  switch (kind) {
+    case kQ4_K: case kQ5_K: return tile_scales_avx2<kQ4_K>;
+    case kQ6_K: return tile_scales_avx2<kQ6_K>;
+    default: return tile_scales_avx2<kQ8_0>;
+  }
+}
+
 // sum of the 16 lanes, in the one order both paths use
 inline float reduce16(const float* p) {
   float s8[8], s4[4];
@@ -434,6 +506,105 @@ static void rows_vnni(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
     for (int j = 0; j < NRS; ++j) out[i * NR + j0 + j] = reduce16_avx512(facc[i][j]);
 }
 
+// One block of BK for MR activation rows x NRS weight rows with AVX2 (no VNNI): the 16 lanes as two halves
+// of 8 (bytes 0-31 and 32-63 of each chunk). The lane sums are the same exact integers as dpbusd's: maddubs
+// (unsigned q x signed x, pairs summed in int16) added in int16 over G chunks, few enough that no sum can
+// leave int16 (|pair| <= 2 * max q * 127: 8 chunks of 4-bit, 4 of 5-bit, 2 of 6-bit), then widened by madd.
+// Q8_0's q + 128 would overflow: it runs as signed q (q ^ 0x80) times x with maddubs' sign trick
+// (|q| x sign(x, q), |pair| <= 2 * 128 * 127), the same sum as VNNI's (q + 128) x - 128 sum x. The float
+// operations per lane are then those of block_vnni, in the same order (facc in memory: 16 ymm registers).
+template <int MR, int NRS, int KIND, int BK>
+__attribute__((target("avx2,fma,f16c"), always_inline))
+inline void block_avx2(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, float (&facc)[MR][NRS][LANES]) {
+  constexpr bool NIB = kFormats[KIND].nibbles;
+  constexpr int SHIFT = kFormats[KIND].shift;
+  constexpr int64_t CH = BK / 64, QB = NIB ? BK / 2 : BK;
+  constexpr int HALVES = (KIND == kQ6_K && BK == 512) ? 2 : 1;  // epilogues per block
+  constexpr int64_t CPH = CH / HALVES;                          // chunks per epilogue
+  constexpr int64_t G16 = KIND == kQ8_0 ? 1 : (NIB ? 8 : (KIND == kQ6_K ? 2 : 4));
+  constexpr int64_t G = G16 < CPH ? G16 : CPH;                  // chunks summed in int16
+  const Acts& a = *t.a;
+  const uint8_t* qb = t.q + t.qo[b] + j0 * QB;
+  if (t.pf)
+    for (int64_t p = 0; p < NR * QB; p += 64) _mm_prefetch(reinterpret_cast<const char*>(t.pf + t.qo[b] + p), _MM_HINT_T0);
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sign = _mm256_set1_epi8(-128);
+  const int8_t* xb = a.q.data() + m0 * a.K + t.bl->k0[b];
+  for (int h = 0; h < HALVES; ++h)
+    for (int hf = 0; hf < 2; ++hf) {
+      __m256i acc[MR][NRS];
+      for (int i = 0; i < MR; ++i) {
+        const int32_t* ls = a.ls.data() + ((m0 + i) * a.nb + b) * 3 * LANES + (HALVES == 2 ? (1 + h) * LANES : 0) + 8 * hf;
+        __m256i init = _mm256_setzero_si256();
+        if constexpr (SHIFT >= 0 && KIND != kQ8_0)  // symmetric: start from -c * (the lane's activation sum)
+          init = _mm256_sub_epi32(init, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ls)), SHIFT));
+        for (int j = 0; j < NRS; ++j) acc[i][j] = init;
+      }
+      for (int64_t c0 = h * CPH; c0 < (h + 1) * CPH; c0 += G) {
+        __m256i p[MR][NRS];
+        for (int64_t c = c0; c < c0 + G; c += (NIB ? 2 : 1)) {
+          __m256i x0[MR], x1[MR];
+          for (int i = 0; i < MR; ++i) {
+            const int8_t* xr = xb + i * a.K + c * 64 + 32 * hf;
+            x0[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
+            if constexpr (NIB) x1[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64));
+          }
+          for (int j = 0; j < NRS; ++j) {
+            __m256i w0, w1;
+            if constexpr (NIB) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + j * QB + c * 32 + 32 * hf));
+              w0 = _mm256_and_si256(v, lo4);
+              w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            } else {
+              w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + j * QB + c * 64 + 32 * hf));
+            }
+            for (int i = 0; i < MR; ++i) {
+              __m256i d;
+              if constexpr (KIND == kQ8_0) {
+                const __m256i ws = _mm256_xor_si256(w0, sign);
+                d = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x0[i], ws));
+              } else {
+                d = _mm256_maddubs_epi16(w0, x0[i]);
+              }
+              if constexpr (NIB) d = _mm256_add_epi16(d, _mm256_maddubs_epi16(w1, x1[i]));
+              p[i][j] = c == c0 ? d : _mm256_add_epi16(p[i][j], d);
+            }
+          }
+        }
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NRS; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(p[i][j], ones));
+      }
+      for (int i = 0; i < MR; ++i) {
+        const int64_t r = (m0 + i) * a.nb + b;
+        const __m256 sxb = _mm256_set1_ps(a.sx[r]);
+        __m256 lsf;
+        if constexpr (SHIFT < 0) lsf = _mm256_loadu_ps(a.lsf.data() + r * LANES + 8 * hf);
+        for (int j = 0; j < NRS; ++j) {
+          const int64_t sj = (b * NR + j0 + j) * LANES + 8 * hf;
+          const float* scale = (HALVES == 2 && h == 1) ? t.mv : t.sv;
+          __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][j]), _mm256_loadu_ps(scale + sj));
+          if constexpr (SHIFT < 0) v = _mm256_fmadd_ps(_mm256_loadu_ps(t.mv + sj), lsf, v);
+          float* fp = facc[i][j] + 8 * hf;
+          _mm256_storeu_ps(fp, _mm256_fmadd_ps(v, sxb, _mm256_loadu_ps(fp)));
+        }
+      }
+    }
+}
+
+// rows_vnni with AVX2
+template <int MR, int NRS, int KIND>
+__attribute__((target("avx2,fma,f16c")))
+static void rows_avx2(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
+  float facc[MR][NRS][LANES] = {};
+  const Blocks& bl = *t.bl;
+  int64_t b = 0;
+  for (; b < bl.n512; ++b) block_avx2<MR, NRS, KIND, 512>(t, m0, j0, b, facc);
+  if (bl.tail256) block_avx2<MR, NRS, KIND, 256>(t, m0, j0, b++, facc);
+  if constexpr (!(KIND == kQ4_K || KIND == kQ5_K || KIND == kQ6_K))
+    if (bl.tail128) block_avx2<MR, NRS, KIND, 128>(t, m0, j0, b++, facc);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NRS; ++j) out[i * NR + j0 + j] = reduce16(facc[i][j]);
+}
+
 // The same arithmetic, one lane at a time (machines without AVX512-VNNI; tests force it).
 static void rows_portable(int64_t kind, const TileArgs& t, int64_t m0, int64_t mr, float* out) {
   const Format f = kFormats[kind];
@@ -471,6 +642,18 @@ static void rows_portable(int64_t kind, const TileArgs& t, int64_t m0, int64_t m
 }
 
 using RowsFn = void (*)(const TileArgs&, int64_t, int64_t, float*);
+
+template <int MR, int NRS>
+RowsFn rows_for_avx2(int64_t kind) {
+  switch (kind) {
+    case kQ8_0: return rows_avx2<MR, NRS, kQ8_0>;
+    case kQ4_0: return rows_avx2<MR, NRS, kQ4_0>;
+    case kQ5_0: return rows_avx2<MR, NRS, kQ5_0>;
+    case kQ4_K: return rows_avx2<MR, NRS, kQ4_K>;
+    case kQ5_K: return rows_avx2<MR, NRS, kQ5_K>;
+    default: return rows_avx2<MR, NRS, kQ6_K>;
+  }
+}
 
 template <int MR, int NRS>
 RowsFn rows_for(int64_t kind) {
@@ -539,7 +722,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
   const int64_t M = a.M;
   const float* bp = bt.defined() ? bt.data_ptr<float>() : nullptr;
   const Output out(x, M, N);
-  const bool vec = has_vnni();
+  const bool vec = has_vnni(), avx2 = has_avx2();
   // Long inputs (prefill) in blocks of rows whose int8 activations fit in L2 (~256 KB), each block passing
   // over every tile: otherwise each 4-row weight tile re-reads all M rows from L3 (-10% at M = 300, K = 8960).
   // A row's arithmetic is the same in any block.
@@ -556,7 +739,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
         const int64_t t = g - base, rsb = sg.tile_s / NR;
         const uint8_t* qt = sg.q + t * sg.tile_q;
         const uint8_t* st = sg.s + t * sg.tile_s;
-        const ScalesFn fast = vec ? scales_for(sg.kind) : nullptr;
+        const ScalesFn fast = vec ? scales_for(sg.kind) : (avx2 ? scales_for_avx2(sg.kind) : nullptr);
         if (fast)
           fast(bl, st, rsb, sv.data(), mv.data());
         else
@@ -590,6 +773,9 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
           } else if (vec) {
             for (int64_t i = 0; i < mr; i += 2)
               (mr - i >= 2 ? rows_for<2, 4>(sg.kind) : rows_for<1, 4>(sg.kind))(i == 0 ? tm : tn, m + i, 0, dots.data() + i * NR);
+          } else if (avx2) {
+            for (int64_t i = 0; i < mr; i += 2)
+              (mr - i >= 2 ? rows_for_avx2<2, 4>(sg.kind) : rows_for_avx2<1, 4>(sg.kind))(i == 0 ? tm : tn, m + i, 0, dots.data() + i * NR);
           } else {
             rows_portable(sg.kind, ta, m, mr, dots.data());
           }

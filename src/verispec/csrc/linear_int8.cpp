@@ -81,7 +81,9 @@ static void tile_vnni(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt,
   for (int64_t i = 0; i < M * NR; ++i) out[i] = _mm512_reduce_add_epi32(acc[i]);
 }
 
-static void tile_portable(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt, int32_t* out) {
+// also the AVX2 path: a clone the compiler vectorizes (integer sums, so every clone gives the same result)
+__attribute__((target_clones("avx2", "default")))
+void tile_portable(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt, int32_t* out) {
   const int64_t chunks = Kp / KC;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < NR; ++j) {

@@ -7,7 +7,7 @@
 //   d, m: fp16 [N/NR][K/64][NR][2] (each row's two groups of the chunk).
 // Activations: each row quantized to int8 with one scale per call, as in linear_int8.cpp. Per group,
 //   sum_k w_k x_k = sx * (d * sum_k q_k qx_k + m * sum_k qx_k),
-// the first sum by AVX512-VNNI (unsigned q times signed qx), the second from per-group sums of qx.
+// the first sum by AVX512-VNNI or AVX2 (unsigned q times signed qx), the second from per-group sums of qx.
 // Every output element is accumulated in the same order whatever M is: a row's result does not depend on
 // the other rows in the call.
 #include "kernels.h"
@@ -76,6 +76,57 @@ static void rows_vnni(const int8_t* x, int64_t Kp, const float* xs /* [MR][K/32]
   }
 }
 
+// rows_vnni with AVX2 (no VNNI): group g of a chunk is bytes 32 g .. 32 g + 31, so each group's dot product is
+// one maddubs (nibble x int8, pairs in int16: at most 2 x 15 x 127) and one madd, as eight int32 lanes; the
+// lanes are scaled by the group's d and accumulated in fp32 (another order than the AVX512 path's: the two
+// agree to fp32 rounding, and a row's result still does not depend on the other rows in the call).
+template <int MR>
+__attribute__((target("avx2,fma,f16c")))
+static void rows_avx2(const int8_t* x, int64_t Kp, const float* xs /* [MR][K/32] */, const uint8_t* q,
+                      const uint16_t* d, const uint16_t* mn, int64_t chunks, float* out /* [MR][NR] */) {
+  __m256 acc[MR][NR], mac[MR];
+  for (int i = 0; i < MR; ++i) {
+    mac[i] = _mm256_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  }
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+  alignas(32) float df[8];
+  for (int64_t c = 0; c < chunks; ++c) {
+    const uint8_t* qc = q + c * NR * GS;
+    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS + 64), _MM_HINT_T0);
+    _mm256_store_ps(df, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + c * NR * 2))));
+    const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + c * NR * 2)));
+    for (int g = 0; g < 2; ++g) {
+      __m256i w[NR];  // q[row j][k], k = 32 g .. 32 g + 31 of this chunk
+      for (int p = 0; p < NR / 2; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qc + p * KC + 32 * g));
+        w[2 * p] = _mm256_and_si256(v, lo4);
+        w[2 * p + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+      }
+      for (int i = 0; i < MR; ++i) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * Kp + c * KC + 32 * g));
+        for (int j = 0; j < NR; ++j) {
+          const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w[j], a), ones);
+          acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(df + 2 * j + g), acc[i][j]);
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i) {  // min terms: lane 2j + g += m[j][g] * xsum[g]
+      const __m256 xs2 = _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(xs + i * (Kp / GS) + 2 * c)));
+      mac[i] = _mm256_fmadd_ps(m8, xs2, mac[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(32) float mm[8], a8[8];
+    _mm256_store_ps(mm, mac[i]);
+    for (int j = 0; j < NR; ++j) {
+      _mm256_store_ps(a8, acc[i][j]);
+      out[i * NR + j] = (((a8[0] + a8[4]) + (a8[2] + a8[6])) + ((a8[1] + a8[5]) + (a8[3] + a8[7]))) + (mm[2 * j] + mm[2 * j + 1]);
+    }
+  }
+}
+
 static void rows_portable(const int8_t* x, int64_t Kp, const float* xs, const uint8_t* q, const uint16_t* d,
                           const uint16_t* mn, int64_t chunks, int64_t M, float* out) {
   for (int64_t i = 0; i < M; ++i)
@@ -127,7 +178,7 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, con
   const auto* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
   const auto* mp = reinterpret_cast<const uint16_t*>(mn.data_ptr<at::Half>());
   const Output out(x, M, N);
-  const bool vec = has_vnni();
+  const bool vec = has_vnni(), avx2 = has_avx2();
   at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
     float dots[kMaxRows * NR];
     for (int64_t t = t0; t < t1; ++t) {
@@ -139,6 +190,11 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, con
         for (; m + MT <= M; m += MT)
           rows_vnni<MT>(qx + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
         if (m < M) rows_vnni<1>(qx + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
+      } else if (avx2) {
+        int64_t m = 0;
+        for (; m + MT <= M; m += MT)
+          rows_avx2<MT>(qx + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
+        if (m < M) rows_avx2<1>(qx + m * Kp, Kp, xs.data() + m * (Kp / GS), qt, dt, mt, chunks, dots + m * NR);
       } else {
         rows_portable(qx, Kp, xs.data(), qt, dt, mt, chunks, M, dots);
       }

@@ -14,18 +14,41 @@ bool detect_vnni() {
 #endif
 }
 
-const bool kCpuVnni = detect_vnni();
-bool g_portable = false;  // forced by set_isa("portable")
+bool detect_avx2() {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+enum class Isa { kPortable, kAvx2, kVnni };
+const Isa kBest = detect_vnni() ? Isa::kVnni : (detect_avx2() ? Isa::kAvx2 : Isa::kPortable);
+Isa g_isa = kBest;  // lowered by set_isa (tests compare the paths)
 
 }  // namespace
 
-bool has_vnni() { return !g_portable && kCpuVnni; }
+bool has_vnni() { return g_isa == Isa::kVnni; }
+bool has_avx2() { return g_isa == Isa::kAvx2; }
 
-std::string isa_name() { return std::string("int8:") + (has_vnni() ? "avx512-vnni" : "portable"); }
+std::string isa_name() {
+  return std::string("int8:") + (has_vnni() ? "avx512-vnni" : (has_avx2() ? "avx2" : "portable"));
+}
+
+std::vector<std::string> cpu_isas() {  // the paths this CPU can run, fastest first
+  std::vector<std::string> r;
+  if (kBest == Isa::kVnni) r.push_back("avx512-vnni");
+  if (kBest != Isa::kPortable) r.push_back("avx2");
+  r.push_back("portable");
+  return r;
+}
 
 void set_isa(const std::string& name) {
-  TORCH_CHECK(name == "auto" || name == "portable", "unknown ISA '", name, "' (expected auto or portable)");
-  g_portable = name == "portable";
+  TORCH_CHECK(name == "auto" || name == "avx2" || name == "portable", "unknown ISA '", name,
+              "' (expected auto, avx2 or portable)");
+  TORCH_CHECK(name != "avx2" || kBest != Isa::kPortable, "this CPU has no AVX2 (with FMA and F16C)");
+  g_isa = name == "auto" ? kBest : (name == "avx2" ? Isa::kAvx2 : Isa::kPortable);
 }
 
 }  // namespace verispec
@@ -46,5 +69,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer_quantized", &verispec::decoder_layer_quantized,
         "one decoder layer for <= 16 new tokens of one sequence, int8 matrices (see decoder_layer.cpp)");
   m.def("isa", &verispec::isa_name, "the instruction sets the kernels use now");
-  m.def("set_isa", &verispec::set_isa, "'portable' forces the plain C++ paths (tests); 'auto' undoes it");
+  m.def("cpu_isas", &verispec::cpu_isas, "the kernel paths this CPU can run, fastest first");
+  m.def("set_isa", &verispec::set_isa, "'avx2' or 'portable' forces those paths (tests); 'auto' undoes it");
 }

@@ -49,16 +49,16 @@ def load(source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
 
     weights="native": a GGUF model's quantized matrices stay in their GGUF blocks and run on
     csrc/linear_gguf.cpp (CPU, bf16 or fp32, kernels built); a named model is then read from its GGUF file.
-    "auto": native on CPU in bf16 with the AVX512-VNNI kernel (fewer bytes per token, exact
-    speculation), else dequantized. Other sources, and
+    "auto": native on CPU in bf16 with a vectorized kernel (AVX512-VNNI or AVX2: fewer bytes per token,
+    exact speculation), else dequantized. Other sources, and
     matrices of types without a native kernel, load dequantized."""
     from . import registry
     from .linear import can_run_native
 
     if weights not in WEIGHTS:
         raise VerispecError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    if weights == "auto":  # native where its kernel is the fast one: AVX512-VNNI (the portable path is plain C++)
-        fast = dtype == torch.bfloat16 and can_run_native(device, dtype) and "vnni" in kernels.isa()
+    if weights == "auto":  # native where its kernel is vectorized: AVX512-VNNI or AVX2 (portable is plain C++)
+        fast = dtype == torch.bfloat16 and can_run_native(device, dtype) and kernels.fast()
         weights = "native" if fast else "dequantized"
     native = weights == "native"
     if source in registry.REGISTRY:
