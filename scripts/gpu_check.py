@@ -351,7 +351,7 @@ def fake_load(models: dict):
     import verispec.llm
     from verispec.models.loader import LoadedModel
 
-    def load(source, dtype, device, progress=True):
+    def load(source, dtype, device, progress=True, **_):  # weights=: these models are in memory already
         model, cfg = models[source]
         return LoadedModel(model, cfg, None, source)
 

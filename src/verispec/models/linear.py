@@ -40,6 +40,18 @@ def can_run_native(device, dtype) -> bool:
     return True
 
 
+def fast_bf16_matmul() -> bool:
+    """Whether oneDNN has bf16 hardware here (avx512_bf16 / AMX). Without it a bf16 product is emulated: 5.3x
+    an fp32 one on a Zen 1 CPU with AVX2 (300 x 896 @ 896 x 4864: 208 against 39 ms)."""
+    global _FAST_BF16
+    if _FAST_BF16 is None:
+        _FAST_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return _FAST_BF16
+
+
+_FAST_BF16 = None
+
+
 def can_quantize(device) -> bool:
     """Whether the int8 kernel runs here: CPU, with verispec's C++ kernels built."""
     if torch.device(device).type != "cpu":
@@ -132,7 +144,9 @@ class Linear(nn.Linear):
 
     def quantize(self, bits: int) -> None:
         """Add an int8 (bits=8) or 4-bit (bits=4) copy used for calls of up to kernels.MAX_ROWS rows
-        (draft steps); longer calls (prefill) keep the float path."""
+        (draft steps); longer calls (prefill) keep the float path, except in bf16 where bf16 products are
+        emulated (fast_bf16_matmul() False): there they run on the kernel too, MAX_ROWS rows at a time
+        (a 300-token draft prefill's products: 49 instead of 208 ms on an AVX2 CPU)."""
         if bits not in QUANT_BITS:
             raise ValueError(f"bits must be one of {sorted(QUANT_BITS)}, got {bits}")
         pack, op = QUANT_BITS[bits]
@@ -157,6 +171,11 @@ class Linear(nn.Linear):
             return kernels.ops.linear_gguf(x, *self.native.tensors, self.qbias)
         if self.qop is not None and x.numel() <= kernels.MAX_ROWS * x.shape[-1]:
             return self.qop(x, *self.qweights, self.qbias, self.out_features)
+        if self.qop is not None and x.dtype == torch.bfloat16 and not fast_bf16_matmul():
+            rows = x.reshape(-1, x.shape[-1])  # [T, K]
+            y = torch.cat([self.qop(rows[i:i + kernels.MAX_ROWS], *self.qweights, self.qbias, self.out_features)
+                           for i in range(0, rows.shape[0], kernels.MAX_ROWS)])  # [T, N]
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
