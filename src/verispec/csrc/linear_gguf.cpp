@@ -643,27 +643,19 @@ static void rows_portable(int64_t kind, const TileArgs& t, int64_t m0, int64_t m
 
 using RowsFn = void (*)(const TileArgs&, int64_t, int64_t, float*);
 
-template <int MR, int NRS>
-RowsFn rows_for_avx2(int64_t kind) {
-  switch (kind) {
-    case kQ8_0: return rows_avx2<MR, NRS, kQ8_0>;
-    case kQ4_0: return rows_avx2<MR, NRS, kQ4_0>;
-    case kQ5_0: return rows_avx2<MR, NRS, kQ5_0>;
-    case kQ4_K: return rows_avx2<MR, NRS, kQ4_K>;
-    case kQ5_K: return rows_avx2<MR, NRS, kQ5_K>;
-    default: return rows_avx2<MR, NRS, kQ6_K>;
-  }
-}
+// the AVX512-VNNI or the AVX2 function for MR x NRS tiles of one GGUF kind
+template <int MR, int NRS, int KIND>
+RowsFn rows_kind(bool avx2) { return avx2 ? rows_avx2<MR, NRS, KIND> : rows_vnni<MR, NRS, KIND>; }
 
 template <int MR, int NRS>
-RowsFn rows_for(int64_t kind) {
+RowsFn rows_for(int64_t kind, bool avx2 = false) {
   switch (kind) {
-    case kQ8_0: return rows_vnni<MR, NRS, kQ8_0>;
-    case kQ4_0: return rows_vnni<MR, NRS, kQ4_0>;
-    case kQ5_0: return rows_vnni<MR, NRS, kQ5_0>;
-    case kQ4_K: return rows_vnni<MR, NRS, kQ4_K>;
-    case kQ5_K: return rows_vnni<MR, NRS, kQ5_K>;
-    default: return rows_vnni<MR, NRS, kQ6_K>;
+    case kQ8_0: return rows_kind<MR, NRS, kQ8_0>(avx2);
+    case kQ4_0: return rows_kind<MR, NRS, kQ4_0>(avx2);
+    case kQ5_0: return rows_kind<MR, NRS, kQ5_0>(avx2);
+    case kQ4_K: return rows_kind<MR, NRS, kQ4_K>(avx2);
+    case kQ5_K: return rows_kind<MR, NRS, kQ5_K>(avx2);
+    default: return rows_kind<MR, NRS, kQ6_K>(avx2);
   }
 }
 
@@ -775,7 +767,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
               (mr - i >= 2 ? rows_for<2, 4>(sg.kind) : rows_for<1, 4>(sg.kind))(i == 0 ? tm : tn, m + i, 0, dots.data() + i * NR);
           } else if (avx2) {
             for (int64_t i = 0; i < mr; i += 2)
-              (mr - i >= 2 ? rows_for_avx2<2, 4>(sg.kind) : rows_for_avx2<1, 4>(sg.kind))(i == 0 ? tm : tn, m + i, 0, dots.data() + i * NR);
+              (mr - i >= 2 ? rows_for<2, 4>(sg.kind, true) : rows_for<1, 4>(sg.kind, true))(i == 0 ? tm : tn, m + i, 0, dots.data() + i * NR);
           } else {
             rows_portable(sg.kind, ta, m, mr, dots.data());
           }

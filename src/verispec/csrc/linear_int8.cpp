@@ -81,9 +81,10 @@ static void tile_vnni(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt,
   for (int64_t i = 0; i < M * NR; ++i) out[i] = _mm512_reduce_add_epi32(acc[i]);
 }
 
-// also the AVX2 path: a clone the compiler vectorizes (integer sums, so every clone gives the same result)
-__attribute__((target_clones("avx2", "default")))
-void tile_portable(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt, int32_t* out) {
+// plain C++; inlined into tile_portable and into tile_avx2, which the compiler vectorizes with AVX2 (integer
+// sums: both give the same result)
+__attribute__((always_inline)) inline void tile_plain(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt,
+                                                      int32_t* out) {
   const int64_t chunks = Kp / KC;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < NR; ++j) {
@@ -95,6 +96,15 @@ void tile_portable(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt, in
       }
       out[m * NR + j] = s;
     }
+}
+
+static void tile_portable(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt, int32_t* out) {
+  tile_plain(x, M, Kp, wt, out);
+}
+
+__attribute__((target("avx2"))) static void tile_avx2(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt,
+                                                      int32_t* out) {
+  tile_plain(x, M, Kp, wt, out);
 }
 
 }  // namespace
@@ -118,7 +128,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   const int32_t* rs = rowsum.data_ptr<int32_t>();
   const int8_t* wp = packed.data_ptr<int8_t>();
   const Output out(x, M, N);
-  const bool vec = has_vnni();
+  const bool vec = has_vnni(), avx2 = has_avx2();
   at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
     int32_t dots[kMaxRows * NR];
     for (int64_t t = t0; t < t1; ++t) {
@@ -130,6 +140,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
       }
       if (vec)
         tile_vnni(qx, M, Kp, wt, dots);
+      else if (avx2)
+        tile_avx2(qx, M, Kp, wt, dots);
       else
         tile_portable(qx, M, Kp, wt, dots);
       for (int64_t j = 0; j < NR && t * NR + j < N; ++j) {

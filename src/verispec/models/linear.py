@@ -26,8 +26,7 @@ from ..errors import VerispecError
 def can_pack(weight: torch.Tensor) -> bool:
     """oneDNN prepacking: CPU, float32/bfloat16, oneDNN built in (bf16 needs avx512_bf16 / AMX hardware)."""
     return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()
-            and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+            and torch.backends.mkldnn.is_available() and (weight.dtype != torch.bfloat16 or fast_bf16_matmul()))
 
 
 def can_run_native(device, dtype) -> bool:
