@@ -7,6 +7,7 @@ would hide a broken install step.
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 N_TOKENS = 32
+K = 4  # draft tokens per round in the float32 speculative runs (slow/conftest.py)
 PROMPTS = {
     "code": dict(text='def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n', chat=False),
     "prose": dict(text="The history of the printing press begins in", chat=False),

@@ -23,7 +23,7 @@ from tiny import make_hf_dir
 from verispec import LLM, SamplingParams
 
 V = 16
-N = 20_000  # draws per positive case
+N = 10_000  # draws per positive case: twice the negative controls' (which fail with 5,000)
 N_NEG = 5_000  # draws per negative control: fewer draws make rejection harder, so this is conservative
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 ALPHA = 1e-3

@@ -11,7 +11,7 @@ bf16 the verify pass is bitwise the AR computation (test_verify_logits_are_the_a
 what makes the identity exact rather than likely.
 
 Sampling: the chi-square harness of test_speculative_distribution.py (tables of logits stand in for the
-networks during the 20k draws; the real networks must make the same draws seed for seed), with a native
+networks during the 10k draws; the real networks must make the same draws seed for seed), with a native
 target of 16 tokens and hidden size 256, and its negative control (always_accept) that must be rejected.
 """
 

@@ -280,6 +280,21 @@ def test_registry_pull_converts_once(monkeypatch, tmp_path):
     text = "héllo<|end|>"
     assert lm.tokenizer.encode(text, add_special_tokens=False) == ref_tok.encode(text, add_special_tokens=False)
 
+    # two pulls at once convert once: the second waits for the first (registry.cache_lock), then finds it
+    import threading
+
+    registry.shutil.rmtree(out)
+    converts, real_convert = [], registry._convert
+    monkeypatch.setattr(registry, "_convert", lambda *a: (converts.append(1), real_convert(*a)))
+    start, outs = threading.Barrier(2), []
+    threads = [threading.Thread(target=lambda: (start.wait(), outs.append(registry.pull("tiny-test", False))))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outs == [out, out] and converts == [1] and registry.is_cached("tiny-test")
+
     # a second pull uses the converted directory and never touches the parts again
     for i in range(1, 4):
         (tmp_path / f"part{i}.bin").unlink()

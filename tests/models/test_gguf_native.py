@@ -835,6 +835,34 @@ def test_native_load_cache(ggufs, monkeypatch, tmp_path):
     assert (cache / "model.safetensors").stat().st_size > 1000  # rewritten
 
 
+def test_concurrent_native_loads_build_the_cache_once(ggufs, monkeypatch, tmp_path):
+    """Two loads started at once (two commands on a fresh machine, the tests' parallel workers): one builds the
+    cache entry while the other waits for it and reads it back, instead of both writing the same temporary
+    files. Without registry.cache_lock both would build (two saves)."""
+    import threading
+
+    from verispec.models import loader
+
+    monkeypatch.setenv("VERISPEC_NATIVE_CACHE", "1")
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    path = ggufs["qwen2"][0]
+    saves, real_save = [], loader._save_native_cache
+    monkeypatch.setattr(loader, "_save_native_cache", lambda *a: (saves.append(1), real_save(*a)))
+    start, results = threading.Barrier(2), [None, None]
+
+    def run(i):
+        start.wait()
+        results[i] = load(str(path), torch.bfloat16, "cpu", progress=False, weights="native")
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(saves) == 1, f"{len(saves)} processes built the same cache entry"
+    assert torch.equal(model_logits(results[0], IDS), model_logits(results[1], IDS))
+
+
 def test_auto_weights_pick_native_only_where_it_is_fast(ggufs, tiny_dirs):
     """weights="auto" (the default): native for a GGUF file on CPU in bf16 with a vectorized kernel (AVX512-VNNI
     or AVX2); dequantized in float32, for HF directories, and where only the portable (plain C++) path exists."""

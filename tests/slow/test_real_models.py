@@ -1,8 +1,9 @@
 """Real weights: greedy decoding of the default target equals transformers' greedy decoding.
 
 Both run in float32 on the same converted directory (``registry.pull`` gives it), with prompt ids
-produced independently by the HF tokenizer. The two models are loaded one after the other (never
-both in memory: 2 x 6 GB), each once per module.
+produced independently by the HF tokenizer. Our runs come first (slow/conftest.py, once per session,
+shared with test_real_speculative.py); transformers' model then loads once per module (with ours, ~14 GB
+in memory).
 """
 
 from __future__ import annotations
@@ -42,21 +43,14 @@ def hf_prompt_ids(model_dir):
 
 
 @pytest.fixture(scope="module")
-def ours(model_dir):
-    """Our greedy outputs for every prompt; the model is freed before transformers loads."""
-    from verispec import LLM, SamplingParams
-
-    llm = LLM(target=TARGET, dtype="float32", progress=False)
-    assert str(llm.target.source) == TARGET
-    outs = {key: llm.generate(p["text"], SamplingParams(max_new_tokens=N_TOKENS), chat=p["chat"])
-            for key, p in PROMPTS.items()}
-    del llm
-    gc.collect()
-    return outs
+def ours(float32_outputs):
+    """Our greedy outputs for every prompt (slow/conftest.py: the float32 runs shared with
+    test_real_speculative.py)."""
+    return {key: ar for key, (ar, _) in float32_outputs.items()}
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir, ours):  # ``ours`` first: one 6 GB model in memory at a time
+def hf_model(model_dir, ours):  # ``ours`` first: our runs are done before transformers' model loads
     import transformers
 
     transformers.logging.set_verbosity_error()

@@ -1,9 +1,9 @@
 """Real weights: greedy speculative decoding of the default pair equals greedy autoregressive decoding.
 
 Target qwen2.5-coder-1.5b-instruct, draft qwen2.5-coder-0.5b-instruct (the default pair: the draft is
-loaded on first use of method "draft"), both float32, loaded once per module into one ``LLM`` (about
-6 GB + 2 GB). The reference is our own AR output on the same target
-(itself checked against transformers in test_real_models.py).
+loaded on first use of method "draft"), both float32, loaded once per session into one ``LLM`` (about
+6 GB + 2 GB; conftest.py, shared with test_real_models.py). The reference is our own AR output on the
+same target (itself checked against transformers in test_real_models.py).
 """
 
 from __future__ import annotations
@@ -11,45 +11,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from real_models import DRAFT, N_TOKENS, PROMPTS, TARGET, pull
+from real_models import K, PROMPTS
 
 pytestmark = pytest.mark.slow
 
-K = 4
 TIE = 2e-3  # logit gap under which float32 rounding (a K+1-token forward vs a 1-token one) may flip an argmax
 
 
-@pytest.fixture(scope="module")
-def llm():
-    from verispec import LLM
-
-    for name in (TARGET, DRAFT):
-        pull(name)
-    llm = LLM(target=TARGET, dtype="float32", progress=False)  # method "draft" loads the default draft
-    assert llm.target.source == TARGET and llm.draft is None
-    return llm
-
-
-@pytest.fixture(scope="module")
-def outputs(llm):
-    """{key: (ar, spec)} for every prompt, computed once."""
-    from verispec import SamplingParams
-
-    params = SamplingParams(max_new_tokens=N_TOKENS)
-    out = {key: (llm.generate(p["text"], params, chat=p["chat"]),
-                 llm.generate(p["text"], params, method="draft", num_draft_tokens=K, chat=p["chat"]))
-           for key, p in PROMPTS.items()}
-    assert llm.draft.source == DRAFT
-    return out
-
-
 @pytest.mark.parametrize("key", list(PROMPTS))
-def test_speculative_greedy_equals_autoregressive(llm, outputs, key):
+def test_speculative_greedy_equals_autoregressive(float32_llm, float32_outputs, key):
     from verispec import SamplingParams
     from verispec.decoding import DecodeContext, Stats, timed_forward
     from verispec.models.kv_cache import KVCache
 
-    ar, spec = outputs[key]
+    llm, (ar, spec) = float32_llm, float32_outputs[key]
     assert spec.prompt_token_ids == ar.prompt_token_ids
     s = spec.stats
     print(f"{key}: acceptance {s['acceptance_rate']:.3f}, tau {s['mean_accepted_length']:.2f}, "

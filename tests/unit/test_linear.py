@@ -46,3 +46,22 @@ def test_int8_runs_for_draft_step_sized_calls_only(dtype):
         return
     tol = 1e-5 if dtype == torch.float32 else 0
     torch.testing.assert_close(lin(many), F.linear(many, w, b), rtol=tol, atol=tol)
+
+
+def test_small_float32_matrices_stay_unpacked(tiny_dirs, monkeypatch):
+    """float32: a packed oneDNN call costs more than F.linear below PACK_MIN_WEIGHTS (~60-90 us a call on a
+    2-core Zen 1, most of a tiny model's step), so only matrices of at least that many weights are packed."""
+    from verispec.models import llama
+    from verispec.models.loader import load
+
+    model = load(str(tiny_dirs["qwen2"]), torch.float32, "cpu").model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not can_pack(linears[0].dense_weight()):
+        pytest.skip("oneDNN packing unavailable here")
+    assert all(m.packed is None for m in linears)  # every matrix of the tiny model is below the bar
+    sizes = sorted(m.weight.numel() for m in linears)
+    monkeypatch.setattr(llama, "PACK_MIN_WEIGHTS", sizes[len(sizes) // 2])
+    assert model.pack_weights()
+    for m in linears:
+        assert (m.packed is not None) == (m.dense_weight().numel() >= sizes[len(sizes) // 2])
+    assert any(m.packed is None for m in linears)

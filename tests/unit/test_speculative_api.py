@@ -294,7 +294,7 @@ def test_padding_row_dominates_unmasked(padded):
 
 @pytest.mark.parametrize("draft", ["target", "draft272", "draft259"])
 def test_padding_rows_never_emitted_and_draft_padding_is_harmless(padded, draft):
-    # int8 draft (the default before int4): close enough to the target that sampling acceptance stays > 0.99
+    # int8 draft (the default before int4): greedy, its argmax agrees with the target's on every token here
     llm = LLM(target=padded["target"], draft=padded[draft], dtype="float32", draft_quant="int8")
     prompt = "Padding rows: "
     greedy = SamplingParams(max_new_tokens=30, ignore_eos=True)
@@ -305,12 +305,18 @@ def test_padding_rows_never_emitted_and_draft_padding_is_harmless(padded, draft)
         assert out.token_ids == want
         # the draft's real rows line up with the target's and its padding rows are never proposed
         assert out.stats["acceptance_rate"] == 1.0, draft
+    # sampling: with the draft's matrices as loaded, q == p up to float32 rounding on every real row, so
+    # (almost) every draft is accepted; the int8 draft's q is off by its quantization error (a rejection
+    # every few dozen tokens, at points that depend on the timing-driven early stops), so it only has to
+    # keep the padding rows out
+    exact = LLM(target=padded["target"], draft=padded[draft], dtype="float32", draft_quant="none")
     for seed in range(4):
         sampled = SamplingParams(max_new_tokens=30, temperature=1.0, seed=seed, ignore_eos=True)
         assert max(llm.generate(prompt, sampled).token_ids) < 259
-        out = llm.generate(prompt, sampled, method="draft", num_draft_tokens=3)
+        assert max(llm.generate(prompt, sampled, method="draft", num_draft_tokens=3).token_ids) < 259
+        out = exact.generate(prompt, sampled, method="draft", num_draft_tokens=3)
         assert max(out.token_ids) < 259
-        assert out.stats["acceptance_rate"] > 0.99  # q == p up to rounding on every real row
+        assert out.stats["acceptance_rate"] > 0.99
 
 
 def test_config_masked_rows_never_emitted(padded):

@@ -19,13 +19,14 @@ from ..config import env_flag
 from . import hugepages
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .linear import Linear, can_pack, can_quantize
+from .linear import PACK_MIN_WEIGHTS, Linear, can_pack, can_quantize
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim/2] (float32), with linear / llama3 / per-frequency scaling."""
+    """Inverse frequencies [head_dim/2] (float32, on the CPU whatever the default device: on the meta device
+    these ops would import torch._dynamo, ~4 s of a load), with linear / llama3 / per-frequency scaling."""
     hd = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device="cpu").float() / hd))
     rs = cfg.rope_scaling or {}
     kind = rs.get("rope_type", "default")
     if kind == "linear":
@@ -40,7 +41,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         medium = ~(wavelen < old_ctx / hi) * ~(wavelen > old_ctx / lo)
         inv_freq = torch.where(medium, smoothed, scaled)
     elif kind == "freq_factors":  # GGUF rope_freqs tensor (llama.cpp divides each frequency by it)
-        inv_freq = inv_freq / torch.tensor(rs["factors"], dtype=torch.float32)
+        inv_freq = inv_freq / torch.tensor(rs["factors"], dtype=torch.float32, device="cpu")
     return inv_freq
 
 
@@ -164,7 +165,10 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # No random init: the loader assigns every weight (on the meta device nn.Embedding's init imports
+        # torch._dynamo, ~4 s of every load on a 2-core machine).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -180,13 +184,15 @@ class Transformer(nn.Module):
         self.lm_head.shared_weight = True
 
     def pack_weights(self) -> bool:
-        """Pre-pack every matrix for oneDNN (CPU); returns whether it did. VERISPEC_PACK=0 disables."""
+        """Pre-pack the matrices for oneDNN (CPU), in float32 only those of at least PACK_MIN_WEIGHTS; returns
+        whether it packed any. VERISPEC_PACK=0 disables."""
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.weight is not None]
         if not env_flag("VERISPEC_PACK") or not linears or not can_pack(linears[0].weight):
             return False
-        for m in linears:
+        big = [m for m in linears if m.weight.dtype != torch.float32 or m.weight.numel() >= PACK_MIN_WEIGHTS]
+        for m in big:
             m.pack()
-        return True
+        return bool(big)
 
     def quantize_weights(self, bits: int = 8) -> bool:
         """int8 or 4-bit weights for every matrix (drafts only: cheaper steps, slightly different q); whether it did."""

@@ -107,9 +107,8 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device: str, name: str | None = 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool = False, native: bool = False,
               name: str | None = None) -> LoadedModel:
-    from .gguf import GGUFFile
     from .linear import can_run_native
-    from .registry import progress_bar
+    from .registry import cache_lock
 
     native = native and can_run_native(device, dtype)
     cache = native_cache_dir(path, dtype) if native else None
@@ -118,6 +117,19 @@ def load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool = Fals
             return _load_native_cache(cache, dtype, device, name or str(path))
         except Exception:  # noqa: BLE001 - any damage (safetensors raises its own kinds): rebuild it
             shutil.rmtree(cache, ignore_errors=True)  # stale or damaged: rebuilt from the GGUF file below
+    if cache is None:
+        return _load_gguf(path, dtype, device, progress, native, name, None)
+    with cache_lock(cache.name):  # one process builds the cache; one started meanwhile waits, then reads it
+        if (cache / DONE).is_file():
+            return _load_native_cache(cache, dtype, device, name or str(path))
+        return _load_gguf(path, dtype, device, progress, native, name, cache)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool, native: bool, name: str | None,
+               cache: Path | None) -> LoadedModel:
+    from .gguf import GGUFFile
+    from .registry import progress_bar
+
     gf = GGUFFile(str(path))
     raw = gf.hf_config()
     cfg = ModelConfig.from_hf(raw)

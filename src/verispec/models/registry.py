@@ -12,6 +12,7 @@ import importlib
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,25 @@ def is_cached(name: str) -> bool:
         return False
 
 
+@contextmanager
+def cache_lock(key: str):
+    """Hold an exclusive lock on ``key`` across processes while writing into the cache: two commands started
+    at once on a fresh machine (or the tests' parallel workers) would otherwise write the same temporary
+    files. The second waits, then finds the finished result. A cache directory that cannot hold the lock
+    file goes unlocked (the write itself reports a read-only cache)."""
+    import fcntl
+
+    try:
+        (cache_dir() / "locks").mkdir(parents=True, exist_ok=True)
+        f = open(cache_dir() / "locks" / f"{key}.lock", "w")
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
@@ -101,8 +121,10 @@ def gguf_path(name: str, progress: bool = True) -> Path:
     entry = _entry(name)
     path = model_dir(name).parent / f"{name}.gguf"
     if not (path.is_file() and path.stat().st_size == entry.gguf_bytes):  # checked by sha256 when assembled
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _assemble(entry, part_paths(entry), path, progress)
+        parts = part_paths(entry)
+        with cache_lock(name):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _assemble(entry, parts, path, progress)
     return path
 
 
@@ -113,10 +135,13 @@ def pull(name: str, progress: bool = True) -> Path:
     if is_cached(name):
         return out
     parts = part_paths(entry)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    gguf_path = out.parent / f"{name}.gguf"
-    _assemble(entry, parts, gguf_path, progress)
-    _convert(entry, gguf_path, out, progress)
+    with cache_lock(name):
+        if is_cached(name):  # another process converted it while this one waited
+            return out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        gguf_path = out.parent / f"{name}.gguf"
+        _assemble(entry, parts, gguf_path, progress)
+        _convert(entry, gguf_path, out, progress)
     return out
 
 
