@@ -4,8 +4,11 @@ which dtype suits this CPU; one process per setting, one prompt: not a same-run 
 
     python3 scripts/dtype_check.py WEIGHTS DTYPE [NEW_TOKENS]     # e.g. native bfloat16 16
 """
-import sys, time, gc
+import sys
+import time
+
 from verispec import LLM, SamplingParams
+
 weights, dtype = sys.argv[1], sys.argv[2]
 t = time.perf_counter()
 llm = LLM(weights=weights, dtype=dtype, progress=False)
