@@ -36,8 +36,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     args = ap.parse_args()
+    try:
+        counts = [int(t) for t in args.threads.split(",")]
+    except ValueError:
+        ap.error(f"--threads takes comma-separated integers, got {args.threads!r}")
+    if min(counts) < 1:
+        ap.error("--threads counts must be >= 1")
     print("| threads | out x in | rows | F.linear us | packed us |\n|---|---|---|---|---|")
-    for threads in map(int, args.threads.split(",")):
+    for threads in counts:
         torch.set_num_threads(threads)
         for n_out, n_in, rows in SHAPES:
             w, x = torch.randn(n_out, n_in), torch.randn(1, rows, n_in)

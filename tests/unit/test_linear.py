@@ -49,7 +49,7 @@ def test_int8_runs_for_draft_step_sized_calls_only(dtype):
 
 
 def test_small_float32_matrices_stay_unpacked(tiny_dirs, monkeypatch):
-    """float32: a packed oneDNN call costs more than F.linear below PACK_MIN_WEIGHTS (~60-90 us a call on a
+    """float32: a packed oneDNN call costs more than F.linear below PACK_MIN_WEIGHTS (~60-80 us a call on a
     2-core Zen 1, most of a tiny model's step), so only matrices of at least that many weights are packed."""
     from verispec.models import llama
     from verispec.models.loader import load

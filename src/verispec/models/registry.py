@@ -120,11 +120,16 @@ def gguf_path(name: str, progress: bool = True) -> Path:
     """The assembled GGUF file of ``name`` (native weights read it directly), assembling it if absent."""
     entry = _entry(name)
     path = model_dir(name).parent / f"{name}.gguf"
-    if not (path.is_file() and path.stat().st_size == entry.gguf_bytes):  # checked by sha256 when assembled
+
+    def assembled() -> bool:  # checked by sha256 when assembled
+        return path.is_file() and path.stat().st_size == entry.gguf_bytes
+
+    if not assembled():
         parts = part_paths(entry)
         with cache_lock(name):
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _assemble(entry, parts, path, progress)
+            if not assembled():  # another process may have assembled it while this one waited
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _assemble(entry, parts, path, progress)
     return path
 
 
