@@ -13,6 +13,8 @@ PROMPTS = {
     "prose": dict(text="The history of the printing press begins in", chat=False),
     "chat": dict(text="Write a Python one-liner that reverses a string.", chat=True),
 }
+# the float32 runs (~2 tokens/s for the target alone here): a raw prompt and a chat-templated one
+FLOAT32_PROMPTS = {key: PROMPTS[key] for key in ("code", "chat")}
 
 
 def pull(name: str):

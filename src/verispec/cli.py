@@ -39,7 +39,9 @@ def _add_model_args(p: argparse.ArgumentParser, compare_draft_quant: bool = Fals
     p.add_argument("--target", default=DEFAULT_TARGET, help="model name, HF directory or .gguf file "
                                                              f"(default: {DEFAULT_TARGET})")
     p.add_argument("--draft", default=None, help="draft model for speculative methods (name, directory, .gguf)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                   help="auto (default): bfloat16 on a GPU, on a CPU with bf16 hardware (avx512_bf16/AMX) and for "
+                        "native GGUF weights; float32 otherwise (bf16 products are emulated there)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
     if compare_draft_quant:

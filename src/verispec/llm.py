@@ -51,7 +51,7 @@ class LLM:
     same for the draft (default: dequantized, then ``draft_quant``).
     """
 
-    def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = None, dtype: str = "bfloat16",
+    def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = None, dtype: str = "auto",
                  device: str | None = None, threads: int | None = None, draft_quant: str | None = "int4",
                  draft_vocab: int | None = None, draft_vocab_table: str | None = None, weights: str = "auto",
                  draft_weights: str = "dequantized", progress: bool = True):
@@ -61,12 +61,12 @@ class LLM:
         if threads:
             torch.set_num_threads(threads)
         self.device = self.engine_config.resolved_device()
-        self.dtype = self.engine_config.torch_dtype()
+        self._draft_source = draft or DEFAULT_DRAFT.get(target)
+        self.dtype = self.engine_config.torch_dtype(target, self._draft_source)
         self.progress = progress
         self.target: LoadedModel = load(target, self.dtype, self.device, progress=progress, weights=weights)
         self.codec = Codec(self.target.tokenizer, self.target.config.vocab_size)
         self.logit_mask = padding_mask(self.target, self.device)  # [V] bool or None
-        self._draft_source = draft or DEFAULT_DRAFT.get(target)
         self.draft: LoadedModel | None = None
         self.draft_calibrations: dict = {}  # the draft model's confidence -> acceptance, per sampling setting
         if draft:

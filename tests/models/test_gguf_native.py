@@ -17,6 +17,8 @@ wrong order, llama Q/K rows left permuted) must fail the loader checks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -879,3 +881,34 @@ def test_auto_weights_pick_native_only_where_it_is_fast(ggufs, tiny_dirs):
         assert load(path, torch.bfloat16, "cpu", progress=False, weights="auto").model.lm_head.native is None
     finally:
         kernels.force_portable(False)
+
+
+def test_auto_dtype_is_float32_only_where_bf16_products_are_emulated(ggufs, tiny_dirs, monkeypatch):
+    """dtype="auto" (the default): bf16 on a GPU, with bf16 matrix hardware, and for a native GGUF target; float32
+    for dequantized weights on a CPU that emulates bf16 products, unless float32 would not fit in memory."""
+    from verispec import LLM
+    from verispec.models import linear, loader
+
+    path, hf = str(ggufs["qwen2"][0]), str(tiny_dirs["qwen2"])
+    monkeypatch.setattr(linear, "_FAST_BF16", False)  # a CPU without avx512_bf16 / AMX
+    assert loader.auto_dtype(hf, "auto", "cpu") == torch.float32
+    assert loader.auto_dtype(path, "dequantized", "cpu") == torch.float32
+    assert loader.auto_dtype(path, "auto", "cpu") == (torch.bfloat16 if kernels.fast() else torch.float32)
+    assert loader.auto_dtype(hf, "auto", "cuda") == torch.bfloat16
+    llm = LLM(target=hf, draft=hf, progress=False)
+    assert llm.dtype == torch.float32 and llm.target.model.lm_head.weight.dtype == torch.float32
+    assert llm.draft.model.embed_tokens.weight.dtype == torch.float32
+
+    # float32 weights over half the available memory: bf16 instead
+    from safetensors.torch import load_file
+
+    need = loader.float32_bytes(hf)
+    assert need == 4 * sum(t.numel() for f in Path(hf).glob("*.safetensors") for t in load_file(f).values()) > 0
+    assert loader.float32_bytes(path) == 4 * sum(t.size for t in ggufs["qwen2"][1].values())
+    monkeypatch.setattr(loader, "available_memory", lambda: 2 * need - 1)
+    assert loader.auto_dtype(hf, "auto", "cpu") == torch.bfloat16
+    monkeypatch.setattr(loader, "available_memory", lambda: 2 * need)
+    assert loader.auto_dtype(hf, "auto", "cpu") == torch.float32
+
+    monkeypatch.setattr(linear, "_FAST_BF16", True)  # avx512_bf16 / AMX: bf16 everywhere
+    assert loader.auto_dtype(hf, "auto", "cpu") == torch.bfloat16

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from real_models import DRAFT, K, N_TOKENS, PROMPTS, TARGET, pull
+from real_models import DRAFT, FLOAT32_PROMPTS, K, N_TOKENS, TARGET, pull
 
 
 @pytest.fixture(scope="session")
@@ -22,12 +22,12 @@ def float32_llm():
 
 @pytest.fixture(scope="session")
 def float32_outputs(float32_llm):
-    """{key: (ar, spec)}: greedy AR and greedy speculative (K draft tokens) outputs for every prompt."""
+    """{key: (ar, spec)}: greedy AR and greedy speculative (K draft tokens) outputs for every float32 prompt."""
     from verispec import SamplingParams
 
     params = SamplingParams(max_new_tokens=N_TOKENS)
     out = {key: (float32_llm.generate(p["text"], params, chat=p["chat"]),
                  float32_llm.generate(p["text"], params, method="draft", num_draft_tokens=K, chat=p["chat"]))
-           for key, p in PROMPTS.items()}
+           for key, p in FLOAT32_PROMPTS.items()}
     assert float32_llm.draft.source == DRAFT
     return out

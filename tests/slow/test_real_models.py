@@ -13,7 +13,7 @@ import gc
 import pytest
 import torch
 
-from real_models import N_TOKENS, PROMPTS, TARGET, pull
+from real_models import FLOAT32_PROMPTS, N_TOKENS, TARGET, pull
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def hf_prompt_ids(model_dir):
 
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     out = {}
-    for key, p in PROMPTS.items():
+    for key, p in FLOAT32_PROMPTS.items():
         if p["chat"]:
             ids = tok.apply_chat_template([{"role": "user", "content": p["text"]}], tokenize=True,
                                           add_generation_prompt=True)
@@ -68,7 +68,7 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("key", list(PROMPTS))
+@pytest.mark.parametrize("key", list(FLOAT32_PROMPTS))
 def test_greedy_matches_transformers(ours, hf_model, hf_prompt_ids, key):
     out = ours[key]
     ids = hf_prompt_ids[key]

@@ -11,14 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from real_models import K, PROMPTS
+from real_models import FLOAT32_PROMPTS, K
 
 pytestmark = pytest.mark.slow
 
 TIE = 2e-3  # logit gap under which float32 rounding (a K+1-token forward vs a 1-token one) may flip an argmax
 
 
-@pytest.mark.parametrize("key", list(PROMPTS))
+@pytest.mark.parametrize("key", list(FLOAT32_PROMPTS))
 def test_speculative_greedy_equals_autoregressive(float32_llm, float32_outputs, key):
     from verispec import SamplingParams
     from verispec.decoding import DecodeContext, Stats, timed_forward

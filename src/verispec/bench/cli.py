@@ -223,7 +223,8 @@ def run_bench(args) -> int:
 
     report = {
         "command": "verispec " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "verispec" else None,
-        "target": args.target, "draft": llm.draft.source if llm.draft else None, "dtype": args.dtype,
+        "target": args.target, "draft": llm.draft.source if llm.draft else None,
+        "dtype": str(llm.dtype).removeprefix("torch."),
         "draft_quant": args.draft_quant, "weights": "native" if _native(llm.target.model) else "dequantized",
         "draft_weights": args.draft_weights, "draft_vocab": llm.draft_vocab_rows, "device": llm.device, "max_new_tokens": n_new,
         "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed, "chat": chat,

@@ -56,7 +56,7 @@ class GGUFFile:
     """A parsed GGUF file: metadata, an HF-style config dict, and dequantized tensors on demand."""
 
     def __init__(self, path: str):
-        from gguf import GGUFReader
+        from .gguf_reader import GGUFIndex
 
         self.path = path
         try:
@@ -64,23 +64,19 @@ class GGUFFile:
                 magic = f.read(4)
             if magic != b"GGUF":
                 raise VerispecError(f"not a GGUF file (bad magic {magic!r}): {path}")
-            self.reader = GGUFReader(path)
+            index = GGUFIndex(path)
         except VerispecError:
             raise
         except OSError as e:
             raise VerispecError(f"cannot read GGUF file {path}: {e.strerror or e}") from None
-        except Exception as e:  # the gguf package raises many kinds on truncated/corrupt input
+        except Exception as e:  # struct / ValueError / the gguf enums on truncated or corrupt input
             raise VerispecError(f"corrupt or truncated GGUF file {path}: {_one_line(e)}") from None
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.fields = index.fields  # {key: value}; numeric arrays as numpy arrays
+        self.tensors = {t.name: t for t in index.tensors}
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        try:
-            return f.contents()
-        except Exception as e:
-            raise VerispecError(f"corrupt GGUF metadata {key!r} in {self.path}: {_one_line(e)}") from None
+        value = self.fields.get(key, default)
+        return value.tolist() if isinstance(value, np.ndarray) else value
 
     @property
     def arch(self) -> str:
@@ -107,7 +103,7 @@ class GGUFFile:
         a = arch
         heads = self.field(f"{a}.attention.head_count")
         hidden = self.field(f"{a}.embedding_length")
-        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        tokens = self.fields.get("tokenizer.ggml.tokens")
         vocab = int(self.tensors["token_embd.weight"].shape[-1])
         eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         cfg = {
@@ -130,8 +126,8 @@ class GGUFFile:
         }
         types = self.field("tokenizer.ggml.token_type")
         unused = [i for i, t in enumerate(types or ()) if t == UNUSED_TOKEN_TYPE]
-        if tokens is not None and len(tokens.data) < vocab:
-            unused += range(len(tokens.data), vocab)
+        if tokens is not None and len(tokens) < vocab:
+            unused += range(len(tokens), vocab)
         if unused:  # padding rows of the embedding: never to be sampled or drafted
             cfg[MASKED_TOKENS_KEY] = unused
         if self.field(f"{a}.rope.scaling.type") == "linear":

@@ -53,18 +53,14 @@ def load(source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
     exact speculation), else dequantized. Other sources, and
     matrices of types without a native kernel, load dequantized."""
     from . import registry
-    from .linear import can_run_native
 
-    if weights not in WEIGHTS:
-        raise VerispecError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
-    if weights == "auto":  # native where its kernel is vectorized: AVX512-VNNI or AVX2 (portable is plain C++)
-        fast = dtype == torch.bfloat16 and can_run_native(device, dtype) and kernels.fast()
-        weights = "native" if fast else "dequantized"
-    native = weights == "native"
+    native = native_weights(source, weights, dtype, device)
     if source in registry.REGISTRY:
         if native:
             path = registry.gguf_path(source, progress=progress)
-            return load_gguf(path, dtype, device, progress=progress, native=True, name=source)
+            tokenizer_dir = registry.model_dir(source) if registry.is_cached(source) else None
+            return load_gguf(path, dtype, device, progress=progress, native=True, name=source,
+                             tokenizer_dir=tokenizer_dir)
         return load_hf_dir(registry.pull(source, progress=progress), dtype, device, name=source)
     path = Path(source).expanduser()
     if path.is_dir():
@@ -78,6 +74,83 @@ def load(source: str, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
         raise VerispecError(f"model path not found: {source}")
     raise VerispecError(f"unknown model {source!r}: not a known name ({', '.join(registry.REGISTRY)}), "
                         f"directory or .gguf file")
+
+
+def native_weights(source: str, weights: str, dtype: torch.dtype, device: str) -> bool:
+    """Whether ``load(source, dtype, device, weights=weights)`` keeps GGUF matrices quantized. "auto": for a
+    GGUF source (a .gguf file or a named model) on CPU in bf16 where the kernels are vectorized (AVX512-VNNI
+    or AVX2; the portable path is plain C++)."""
+    from . import registry
+    from .linear import can_run_native
+
+    if weights not in WEIGHTS:
+        raise VerispecError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights != "auto":
+        return weights == "native"
+    gguf = source in registry.REGISTRY or str(source).lower().endswith(".gguf")
+    return gguf and dtype == torch.bfloat16 and can_run_native(device, dtype) and kernels.fast()
+
+
+def auto_dtype(source: str, weights: str, device: str, draft: str | None = None) -> torch.dtype:
+    """``dtype="auto"``: bf16 on a GPU, on a CPU with bf16 matrix hardware (avx512_bf16 / AMX), and for a
+    target whose matrices run on the native GGUF kernels (they take bf16 activations). Else float32: without
+    that hardware a bf16 product over several rows is emulated (5.3x an fp32 one on a Zen 1 CPU), so a verify
+    pass costs far more in bf16 (default pair dequantized on that CPU: speculation 2.0x in float32 against
+    1.28x in bf16, docs/BENCHMARKS.md). Unless the float32 weights of target and draft would take over half
+    the available memory: then bf16, which fits."""
+    from .linear import fast_bf16_matmul
+
+    if torch.device(device).type != "cpu" or fast_bf16_matmul():
+        return torch.bfloat16
+    if native_weights(source, weights, torch.bfloat16, device):
+        return torch.bfloat16
+    need = sum(float32_bytes(s) for s in (source, draft) if s)
+    free = available_memory()
+    return torch.bfloat16 if free is not None and need > free // 2 else torch.float32
+
+
+def float32_bytes(source: str) -> int:
+    """An estimate of a model's weights in float32, from its files' headers (0 if it cannot be told yet)."""
+    from . import registry
+
+    entry = registry.REGISTRY.get(source)
+    if entry is not None:  # GGUF Q4_K_M: ~5 bits a weight on disk
+        return entry.gguf_bytes * 32 // 5
+    path = Path(source).expanduser()
+    try:
+        if path.is_dir():
+            return 4 * sum(_safetensors_numel(f) for f in path.glob("*.safetensors"))
+        if path.is_file() and path.suffix.lower() == ".gguf":
+            from .gguf_reader import GGUFIndex
+
+            return 4 * sum(t.n_elements for t in GGUFIndex(str(path)).tensors)
+    except Exception:  # noqa: BLE001 - a bad file is reported by load() itself, with its own message
+        return 0
+    return 0
+
+
+def _safetensors_numel(path: Path) -> int:
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    numel = 0
+    for key, info in header.items():
+        if key != "__metadata__":
+            n = 1
+            for d in info["shape"]:
+                n *= d
+            numel += n
+    return numel
+
+
+def available_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def load_hf_dir(path: Path, dtype: torch.dtype, device: str, name: str | None = None) -> LoadedModel:
@@ -106,7 +179,9 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device: str, name: str | None = 
 
 
 def load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool = False, native: bool = False,
-              name: str | None = None) -> LoadedModel:
+              name: str | None = None, tokenizer_dir: Path | None = None) -> LoadedModel:
+    """``tokenizer_dir``: a directory holding the file's tokenizer already converted (a pulled named model's):
+    transformers takes ~25 s to build a 150k-token tokenizer from GGUF metadata, ~1 s to read it back."""
     from .linear import can_run_native
     from .registry import cache_lock
 
@@ -118,15 +193,15 @@ def load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool = Fals
         except Exception:  # noqa: BLE001 - any damage (safetensors raises its own kinds): rebuild it
             shutil.rmtree(cache, ignore_errors=True)  # stale or damaged: rebuilt from the GGUF file below
     if cache is None:
-        return _load_gguf(path, dtype, device, progress, native, name, None)
+        return _load_gguf(path, dtype, device, progress, native, name, None, tokenizer_dir)
     with cache_lock(cache.name):  # one process builds the cache; one started meanwhile waits, then reads it
         if (cache / DONE).is_file():
             return _load_native_cache(cache, dtype, device, name or str(path))
-        return _load_gguf(path, dtype, device, progress, native, name, cache)
+        return _load_gguf(path, dtype, device, progress, native, name, cache, tokenizer_dir)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool, native: bool, name: str | None,
-               cache: Path | None) -> LoadedModel:
+               cache: Path | None, tokenizer_dir: Path | None = None) -> LoadedModel:
     from .gguf import GGUFFile
     from .registry import progress_bar
 
@@ -136,8 +211,12 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool, nati
     total = sum(int(t.n_bytes) for t in gf.tensors.values())
     with progress_bar(total, f"{'load' if native else 'dequantize'} {path.name}", progress) as bar:
         model = build_model(cfg, gf.hf_tensors(dtype, progress=bar, native=native), dtype, device)
-    has_vocab = "tokenizer.ggml.tokens" in gf.reader.fields
-    tokenizer = load_tokenizer(path.parent, gguf_file=path.name) if has_vocab else None
+    if tokenizer_dir is not None:
+        tokenizer = load_tokenizer(tokenizer_dir)
+    elif "tokenizer.ggml.tokens" in gf.fields:
+        tokenizer = load_tokenizer(path.parent, gguf_file=path.name)
+    else:
+        tokenizer = None
     if cache is not None:
         _save_native_cache(cache, raw, model, tokenizer)
     return LoadedModel(model, cfg, tokenizer, name or str(path))
@@ -148,8 +227,8 @@ DONE = "verispec-native.json"
 
 def native_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
     """Where a native load of ``path`` keeps its re-laid-out blocks (parsing and re-ordering a 1.5B GGUF
-    takes ~25 s; reading them back ~1 s). Keyed by the file's name, size and mtime and the dtype of
-    the other tensors. VERISPEC_NATIVE_CACHE=0 turns it off."""
+    takes ~18 s on a 2-core Zen 1, with the tokenizer already converted; reading them back ~1 s). Keyed by
+    the file's name, size and mtime and the dtype of the other tensors. VERISPEC_NATIVE_CACHE=0 turns it off."""
     from .registry import cache_dir
 
     if not env_flag("VERISPEC_NATIVE_CACHE"):
