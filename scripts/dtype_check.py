@@ -16,7 +16,7 @@ PROMPT = "def quicksort(arr):"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("weights", choices=["auto", "native", "dequantized"])
-    ap.add_argument("dtype", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("dtype", choices=["auto", "bfloat16", "float16", "float32"])
     ap.add_argument("new_tokens", type=int, nargs="?", default=32)
     args = ap.parse_args()
     if args.new_tokens < 1:
