@@ -44,6 +44,23 @@ def build(name: str, src: Path, work: Path):
                 extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
 
 
+def parse(specs: list[str], flag: str, counts: str) -> tuple[list[tuple[str, Path]], list[int]]:
+    """NAME=DIR arguments -> [(name, dir)], and a comma-separated list of counts (FLAG's value) -> ints."""
+    from verispec.errors import VerispecError
+
+    trees = []
+    for spec in specs:
+        name, _, path = spec.partition("=")
+        if not name.isidentifier() or not path or name == "verispec":
+            raise VerispecError(f"expected NAME=DIR with NAME a new identifier, got {spec!r}")
+        trees.append((name, Path(path)))
+    try:
+        values = [int(v) for v in counts.split(",")]
+    except ValueError:
+        raise VerispecError(f"{flag}: integers separated by commas, got {counts!r}") from None
+    return trees, values
+
+
 def main(argv=None) -> int:
     from verispec.cli import _Parser, run_tool
 
@@ -64,17 +81,8 @@ def report(args) -> None:
     from verispec.models.kv_cache import KVCache
     from verispec.models.linear import Linear
 
-    trees = []
-    for spec in args.trees:
-        name, _, path = spec.partition("=")
-        if not name.isidentifier() or not path or name == "verispec":
-            raise VerispecError(f"expected NAME=DIR with NAME a new identifier, got {spec!r}")
-        trees.append((name, Path(path)))
-    try:
-        sizes = [int(v) for v in args.sizes.split(",")]
-    except ValueError:
-        raise VerispecError(f"--sizes: integers separated by commas, got {args.sizes!r}") from None
-    if not sizes or not all(1 <= T <= kernels.MAX_ROWS for T in sizes) or args.rounds < 1:
+    trees, sizes = parse(args.trees, "--sizes", args.sizes)
+    if not all(1 <= T <= kernels.MAX_ROWS for T in sizes) or args.rounds < 1:
         raise VerispecError(f"--sizes must lie in 1..{kernels.MAX_ROWS} and --rounds be >= 1")
     mods = {name: build(name, path, Path(args.work)) for name, path in trees}
 

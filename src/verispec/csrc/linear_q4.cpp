@@ -24,7 +24,7 @@ constexpr int64_t NR = 4;   // weight rows per tile
 constexpr int64_t KC = 64;  // k per chunk: two groups of 32
 constexpr int64_t GS = 32;  // group size
 constexpr int64_t MT = 2;   // activation rows per register tile
-constexpr int64_t PF = 16;  // software prefetch distance, in chunks
+constexpr int64_t PF = 64;  // software prefetch distance, in chunks (8 KB), into L2: a Zen 4 draft step 17.2 -> 14.3 ms against 16 into L1
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 
@@ -42,8 +42,8 @@ static void rows_vnni(const int8_t* x, int64_t Kp, const float* xs /* [MR][K/32]
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t c = 0; c < chunks; ++c) {
     const uint8_t* qc = q + c * NR * GS;
-    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS + 64), _MM_HINT_T1);
     __m512i w[NR];  // q[row j][k], k = 0..63 of this chunk
     for (int p = 0; p < NR / 2; ++p) {
       const __m512i v = _mm512_loadu_si512(qc + p * KC);
@@ -93,8 +93,8 @@ static void rows_avx2(const int8_t* x, int64_t Kp, const float* xs /* [MR][K/32]
   alignas(32) float df[8];
   for (int64_t c = 0; c < chunks; ++c) {
     const uint8_t* qc = q + c * NR * GS;
-    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(qc + PF * NR * GS + 64), _MM_HINT_T1);
     _mm256_store_ps(df, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + c * NR * 2))));
     const __m256 m8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn + c * NR * 2)));
     for (int g = 0; g < 2; ++g) {
