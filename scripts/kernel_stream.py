@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 
     ap = _Parser(prog="python3 scripts/kernel_stream.py", description=__doc__.split("\n")[0])
     ap.add_argument("trees", nargs="+", metavar="NAME=DIR", help="source trees to compare (the first is the baseline)")
-    ap.add_argument("--rows", default="1,2,8", help="activation rows M, comma-separated (1-16)")
+    ap.add_argument("--rows", default="1,2,8", help="activation rows M, comma-separated (1-4096; > 16: prefill)")
     ap.add_argument("--copies", type=int, default=24, help="distinct copies of each matrix (1: cache-resident)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--isa", default="auto", choices=["auto", "avx2"], help="avx2: force the AVX2 paths")
@@ -57,8 +57,8 @@ def report(args) -> None:
     from kernel_ab import build, parse
 
     trees, rows = parse(args.trees, "--rows", args.rows)
-    if not all(1 <= M <= 16 for M in rows) or args.rounds < 1 or args.copies < 1:
-        raise VerispecError("--rows must lie in 1..16, --rounds and --copies be >= 1")
+    if not all(1 <= M <= 4096 for M in rows) or args.rounds < 1 or args.copies < 1:
+        raise VerispecError("--rows must lie in 1..4096, --rounds and --copies be >= 1")
     for name, path in trees:
         build(name, path, Path(args.work)).set_isa(args.isa)
     ops = {name: getattr(torch.ops, name) for name, _ in trees}
