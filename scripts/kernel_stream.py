@@ -6,7 +6,7 @@
 Each DIR is a copy of src/verispec/csrc, built as its own extension as scripts/kernel_ab.py does. The
 matrices are random GGUF blocks (fp16 scales fixed at 0.01) of the default target's two largest shapes:
 Q4_K 17920 x 1536 (fused gate/up) and Q6_K 1536 x 8960 (down). --copies distinct copies are called in turn,
-so with the default 24 (~380 / 330 MB) every call reads its weights from DRAM, as a forward does; --copies 1
+so with the default 24 (~380 / 350 MB) every call reads its weights from DRAM, as a forward does; --copies 1
 keeps one matrix in the caches (compute-bound timing). A round times one pass over the copies per tree; the
 report gives the median over rounds of ms per matrix, and checks each tree's outputs bitwise against the
 first's. --isa avx2 forces every tree's AVX2 path (on an AVX512 machine).

@@ -757,7 +757,8 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
         const uint8_t* st = sg.s + t * sg.tile_s;
         // With VNNI and at most 2 rows, one pass over the tile: its rows function makes each block's lane scales
         // as it uses them instead of this loop storing them all for several passes to read back (Q4_K 17920 x
-        // 1536 on a Zen 4: M = 1 / 2 -20% / -33%). Not Q6_K, whose 512-blocks have two epilogues: M = 1 +14%.
+        // 1536, cache-resident, Zen 4: M = 1 / 2 -6% / -26%). Not Q6_K, whose 512-blocks have two epilogues:
+        // M = 1 +12% (scripts/kernel_stream.py --copies 1).
         const bool inl = vec && m_hi - m_lo <= 2 && sg.kind != kQ6_K;
         const ScalesFn fast = vec ? scales_for(sg.kind) : (avx2 ? scales_for_avx2(sg.kind) : nullptr);
         if (fast && !inl)
