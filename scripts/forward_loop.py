@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Repeat one-token forwards of the default native target (or the 4-bit draft) for a while: a steady state to profile.
 
-    perf record -D 20000 python3 scripts/forward_loop.py [--draft] [--seconds 25]
+    perf record -D 20000 python3 scripts/forward_loop.py [--draft] [--tokens 1] [--seconds 25]
 
 Loads the default pair as `verispec generate` does, fills a cache (128 tokens for the target, 200 for the
 draft, as scripts/kernel_ab.py does), then runs forwards over one new token until --seconds have passed and
@@ -19,6 +19,7 @@ def main(argv=None) -> int:
 
     ap = _Parser(prog="python3 scripts/forward_loop.py", description=__doc__.split("\n")[0])
     ap.add_argument("--draft", action="store_true", help="the 4-bit 0.5B draft instead of the native target")
+    ap.add_argument("--tokens", type=int, default=1, help="new tokens per forward (default 1)")
     ap.add_argument("--seconds", type=float, default=25.0)
     return run_tool(ap, argv, loop)  # bad input: one line, exit 2
 
@@ -32,19 +33,22 @@ def loop(args) -> None:
 
     if not args.seconds > 0:
         raise VerispecError(f"--seconds must be > 0, got {args.seconds}")
+    if not 1 <= args.tokens <= 64:
+        raise VerispecError(f"--tokens must be in 1..64, got {args.tokens}")
     torch.set_num_threads(2)
     llm = LLM(progress=False)
     model = llm.draft_model().model if args.draft else llm.target.model
     ctx = 200 if args.draft else 128
-    cache = KVCache.for_model(model.config, 1, ctx + 1, model.dtype)
-    ids = torch.randint(0, model.config.vocab_size, (1, ctx + 1), generator=torch.Generator().manual_seed(0))
+    t = args.tokens
+    cache = KVCache.for_model(model.config, 1, ctx + t, model.dtype)
+    ids = torch.randint(0, model.config.vocab_size, (1, ctx + t), generator=torch.Generator().manual_seed(0))
     model(ids[:, :ctx], torch.arange(ctx)[None], cache, num_logits=1)
-    pos, n, t0 = torch.arange(ctx, ctx + 1)[None], 0, time.perf_counter()
+    pos, n, t0 = torch.arange(ctx, ctx + t)[None], 0, time.perf_counter()
     while time.perf_counter() - t0 < args.seconds:
         cache.truncate(ctx)
         model(ids[:, ctx:], pos, cache)
         n += 1
-    print(f"{'draft' if args.draft else 'target'}: {(time.perf_counter() - t0) / n * 1e3:.2f} ms per one-token forward ({n})")
+    print(f"{'draft' if args.draft else 'target'}: {(time.perf_counter() - t0) / n * 1e3:.2f} ms per {t}-token forward ({n})")
 
 
 if __name__ == "__main__":

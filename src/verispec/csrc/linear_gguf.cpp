@@ -429,8 +429,9 @@ inline void epilogue(const Acts& a, int64_t r, __m512i acc, __m512 scale, __m512
 }
 
 // One block of BK for MR activation rows x NRS weight rows (rows j0 .. of the tile), into facc.
-// INL: the lane scales made here from the scale bytes, as used (one pass over the tile: M <= 2), not read
-// back from the tile's [nb][NR][16] arrays; the same values either way.
+// INL: the lane scales made here from the scale bytes, as used (one pass over the tile: M <= 5), not read
+// back from the tile's [nb][NR][16] arrays; the same values either way. Q6_K's two halves of a 512-block
+// share one making of them.
 template <int MR, int NRS, int KIND, int BK, bool INL>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c"), always_inline))
 inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m512 (&facc)[MR][NRS]) {
@@ -447,6 +448,7 @@ inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m
   const int8_t* xb = a.q.data() + m0 * a.K + t.bl->k0[b];
   // one row: a second set of integer accumulators for odd chunks hides dpbusd's latency (exact: same sums)
   constexpr int U = (MR == 1 && !NIB) ? 2 : 1;
+  __m512 keep[NRS];  // INL: each weight row's mins (Q6_K: the second half's scales)
 #pragma GCC unroll 2
   for (int h = 0; h < HALVES; ++h) {
     __m512i acc[MR][NRS], acc2[MR][NRS];
@@ -494,9 +496,10 @@ inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m
       for (int j = 0; j < NRS; ++j) acc[0][j] = _mm512_add_epi32(acc[0][j], acc2[0][j]);
     if constexpr (INL) {  // one pass: each weight row's scales made once, for its MR rows
       for (int j = 0; j < NRS; ++j) {
-        __m512 sv, mv;
-        lane_scales_zmm<KIND>(BK, t.bl->k0[b], t.st + (j0 + j) * t.rsb, sv, mv);
-        for (int i = 0; i < MR; ++i) epilogue<SHIFT>(a, (m0 + i) * a.nb + b, acc[i][j], (HALVES == 2 && h == 1) ? mv : sv, mv, facc[i][j]);
+        __m512 sv;
+        if (h == 0) lane_scales_zmm<KIND>(BK, t.bl->k0[b], t.st + (j0 + j) * t.rsb, sv, keep[j]);
+        else sv = keep[j];  // Q6_K's second half: its scales came with the first's
+        for (int i = 0; i < MR; ++i) epilogue<SHIFT>(a, (m0 + i) * a.nb + b, acc[i][j], sv, keep[j], facc[i][j]);
       }
     } else {
       for (int i = 0; i < MR; ++i)
@@ -755,11 +758,13 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
         const int64_t t = g - base, rsb = sg.tile_s / NR;
         const uint8_t* qt = sg.q + t * sg.tile_q;
         const uint8_t* st = sg.s + t * sg.tile_s;
-        // With VNNI and at most 2 rows, one pass over the tile: its rows function makes each block's lane scales
-        // as it uses them instead of this loop storing them all for several passes to read back (Q4_K 17920 x
-        // 1536, cache-resident, Zen 4: M = 1 / 2 -6% / -26%). Not Q6_K, whose 512-blocks have two epilogues:
-        // M = 1 +12% (scripts/kernel_stream.py --copies 1).
-        const bool inl = vec && m_hi - m_lo <= 2 && sg.kind != kQ6_K;
+        // With VNNI and at most 5 rows, one pass over the tile: its rows function makes each block's lane scales
+        // as it uses them instead of this loop storing them all for several passes to read back. Zen 4,
+        // cache-resident (scripts/kernel_stream.py --copies 1): Q4_K 17920 x 1536 M = 1 / 2 -6% / -26% (M <= 2
+        // first), M = 3 / 4 / 5 -15% / -9% / -3%, Q6_K 1536 x 8960 M = 1 / 2 -21% / -22% (once its two halves
+        // shared the scales); a one-token forward -7%, four tokens -9%. For M = 6..16, two or more passes
+        // making them each time gained nothing.
+        const bool inl = vec && m_hi - m_lo <= 5;
         const ScalesFn fast = vec ? scales_for(sg.kind) : (avx2 ? scales_for_avx2(sg.kind) : nullptr);
         if (fast && !inl)
           fast(bl, st, rsb, sv.data(), mv.data());
@@ -785,8 +790,13 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
           const int64_t mr = fives > 0 && m_hi - m == 5 * fives ? 5 : std::min(MT, m_hi - m);
           fives -= mr == 5;
           const TileArgs& tm = m == m_lo ? ta : tn;
-          if (inl) {
-            (mr == 2 ? rows_for<2, 4, true>(sg.kind) : rows_for<1, 4, true>(sg.kind))(tm, m, 0, dots.data());
+          if (inl && mr == 3) {
+            const RowsFn f = rows_for<3, 2, true>(sg.kind);
+            f(tm, m, 0, dots.data());
+            f(tn, m, 2, dots.data());
+          } else if (inl) {
+            (mr == 5 ? rows_for<5, 4, true>(sg.kind) : mr == 4 ? rows_for<4, 4, true>(sg.kind)
+             : mr == 2 ? rows_for<2, 4, true>(sg.kind) : rows_for<1, 4, true>(sg.kind))(tm, m, 0, dots.data());
           } else if (vec && mr == 4) {  // 4 x 4: -10% at M = 4 and 8 against two 4 x 2 passes (byte types -19%)
             rows_for<4, 4>(sg.kind)(tm, m, 0, dots.data());
           } else if (vec && mr == 5) {
