@@ -1,5 +1,6 @@
 // verispec's CPU kernels: shared declarations.
 #pragma once
+#include <immintrin.h>
 #include <torch/extension.h>
 
 #include <vector>
@@ -37,6 +38,25 @@ struct Output {
       f[m * N + n] = v;
     else
       b[m * N + n] = at::BFloat16(v);
+  }
+  // y[m, n .. n + 3] = v + bias[n .. n + 3] (+ 0 without a bias): four set() calls in one, the same bits.
+  // (Zen 4: the GGUF kernel's forwards over 5 / 8 tokens -4% / -4 to -7%, the 4-bit draft step -3%.)
+  void set4(int64_t m, int64_t n, __m128 v, const float* bias) const {
+    v = _mm_add_ps(v, bias ? _mm_loadu_ps(bias + n) : _mm_setzero_ps());
+    if (f) {
+      _mm_storeu_ps(f + m * N + n, v);
+      return;
+    }
+    // as at::BFloat16(float): (u + 0x7FFF + ((u >> 16) & 1)) >> 16, a NaN -> 0x7FC0
+    const __m128i u = _mm_castps_si128(v);
+    __m128i r = _mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7FFF)), _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1)));
+    r = _mm_srli_epi32(r, 16);
+    const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7FFFFFFF)), _mm_set1_epi32(0x7F800000));
+    r = _mm_or_si128(_mm_andnot_si128(nan, r), _mm_and_si128(nan, _mm_set1_epi32(0x7FC0)));
+    r = _mm_shufflelo_epi16(r, _MM_SHUFFLE(3, 3, 2, 0));  // the low words of lanes 0, 1 -> words 0, 1
+    r = _mm_shufflehi_epi16(r, _MM_SHUFFLE(3, 3, 2, 0));  // of lanes 2, 3 -> words 4, 5
+    r = _mm_shuffle_epi32(r, _MM_SHUFFLE(3, 3, 2, 0));    // -> words 0 .. 3
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(b + m * N + n), r);
   }
   torch::Tensor finish(const torch::Tensor& x) const;  // [..., N]
 };

@@ -814,10 +814,13 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
           } else {
             rows_portable(sg.kind, ta, m, mr, dots.data());
           }
-          for (int64_t j = 0; j < NR && t * NR + j < sg.rows; ++j) {
-            const int64_t n = sg.n0 + t * NR + j;
-            for (int64_t i = 0; i < mr; ++i) out.set(m + i, n, dots[i * NR + j] + (bp ? bp[n] : 0.0f));
-          }
+          if ((t + 1) * NR <= sg.rows)
+            for (int64_t i = 0; i < mr; ++i) out.set4(m + i, sg.n0 + t * NR, _mm_loadu_ps(dots.data() + i * NR), bp);
+          else
+            for (int64_t j = 0; j < NR && t * NR + j < sg.rows; ++j) {
+              const int64_t n = sg.n0 + t * NR + j;
+              for (int64_t i = 0; i < mr; ++i) out.set(m + i, n, dots[i * NR + j] + (bp ? bp[n] : 0.0f));
+            }
           m += mr;
         }
       }

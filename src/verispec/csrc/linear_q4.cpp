@@ -198,9 +198,12 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, con
       } else {
         rows_portable(qx, Kp, xs.data(), qt, dt, mt, chunks, M, dots);
       }
-      for (int64_t j = 0; j < NR && t * NR + j < N; ++j)
-        for (int64_t m = 0; m < M; ++m)
-          out.set(m, t * NR + j, dots[m * NR + j] * sx[m] + (bp ? bp[t * NR + j] : 0.0f));
+      if ((t + 1) * NR <= N)
+        for (int64_t m = 0; m < M; ++m) out.set4(m, t * NR, _mm_mul_ps(_mm_loadu_ps(dots + m * NR), _mm_set1_ps(sx[m])), bp);
+      else
+        for (int64_t j = 0; j < NR && t * NR + j < N; ++j)
+          for (int64_t m = 0; m < M; ++m)
+            out.set(m, t * NR + j, dots[m * NR + j] * sx[m] + (bp ? bp[t * NR + j] : 0.0f));
     }
   });
   return out.finish(x);
