@@ -1,5 +1,6 @@
 """Shared by the exactness tests: the chi-square statistic, a float64 reference of the sampling
-transform, and deliberately broken verifiers for the negative controls.
+transform, deliberately broken verifiers for the negative controls, and the bf16 bits the C++ kernels
+must write.
 
 ``variant_verify(bug)`` is a compact re-implementation of speculative sampling (Leviathan et al.
 2022, Algorithm 1) with one switchable mistake; ``bug=None`` is the correct rule, so the harness can
@@ -133,3 +134,22 @@ def varied_stop(period: int):
 
     stop_now.decisions = []  # every decision, so a test can check that rounds both ended early and went on
     return stop_now
+
+
+def special_bias(n: int, seed: int = 0) -> torch.Tensor:
+    """A random fp32 bias [n] with NaNs whose payload plain rounding would carry into the sign bit
+    (0x7FFFFFFF -> 0x8000, 0xFFFFFFFF -> 0x0000) and infinities, in the first tile of 4 columns and in the
+    last column (a partial tile when n % 4 != 0)."""
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(seed))
+    nan, neg_nan = torch.tensor([0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)
+    bias[1], bias[2], bias[3], bias[n - 2], bias[n - 1] = nan, float("inf"), neg_nan, float("-inf"), nan
+    return bias
+
+
+def bf16_bits(y: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 bits (int16) as at::BFloat16(float) rounds: to nearest even, every NaN -> 0x7FC0 (torch's
+    vectorized .to() writes 0xFFFF for a NaN instead): the rule of the kernels' bf16 outputs."""
+    u = y.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    r = torch.where(y.isnan(), torch.full_like(r, 0x7FC0), r)
+    return torch.where(r >= 0x8000, r - 0x10000, r).to(torch.int16)

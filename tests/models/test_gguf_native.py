@@ -27,6 +27,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize
 
+from exact_helpers import bf16_bits, special_bias
 from gguf_tiny import fake_registry, random_kquant, write_gguf
 from tiny import make_hf_dir, make_hf_model
 from verispec import LLM, kernels
@@ -380,6 +381,17 @@ def test_bf16_activations_give_their_fp32_results_rounded_to_nearest_even(name):
     y = linear(x, nw, bias)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, linear(x.float(), nw, bias).to(torch.bfloat16))
+
+
+def test_nan_and_infinite_results_are_written_as_at_bfloat16_writes_them():
+    """A NaN bias gives NaN results: in bf16 each must be 0x7FC0 (plain rounding of a 0x7FFFFFFF NaN gives
+    0x8000, -0.0), infinities stay infinite, in the four-column stores and in a partial last tile."""
+    nw, _, _ = matrix([("Q4_K", 37), ("Q6_K", 29)], 768, seed=21)  # each segment ends in a one-row tile
+    x = activations(5, 768, seed=22, dtype=torch.bfloat16)
+    bias = special_bias(nw.out_features)
+    y, y32 = linear(x, nw, bias), linear(x.float(), nw, bias)
+    assert y32.isnan().sum() == 5 * 3 and y32.isinf().sum() == 5 * 2
+    assert torch.equal(y.view(torch.int16), bf16_bits(y32))
 
 
 @pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])

@@ -9,6 +9,7 @@ weights, bitwise batch-invariant, the portable path within fp32 rounding of the 
 import pytest
 import torch
 
+from exact_helpers import bf16_bits, special_bias
 from verispec import kernels
 from verispec.models.linear import dequantize_q4, pack_int8, pack_q4
 
@@ -67,6 +68,22 @@ def test_bf16_activations_give_their_fp32_results_rounded_to_nearest_even(kind):
     y = getattr(kernels.ops, op)(x, *packed, bias, 130)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, getattr(kernels.ops, op)(x.float(), *packed, bias, 130).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_nan_and_infinite_results_are_written_as_at_bfloat16_writes_them(kind):
+    """A NaN bias gives NaN results: in bf16 each must be 0x7FC0 (plain rounding of a 0x7FFFFFFF NaN gives
+    0x8000, -0.0), infinities stay infinite, in the four-column stores and in the partial last tile."""
+    pack, op, _ = KERNELS[kind]
+    torch.manual_seed(4)
+    w, x = torch.randn(130, 512), torch.randn(3, 512).to(torch.bfloat16)
+    packed, bias = pack(w), special_bias(130)
+    y = getattr(kernels.ops, op)(x, *packed, bias, 130)
+    y32 = getattr(kernels.ops, op)(x.float(), *packed, bias, 130)
+    assert y32.isnan().sum() == 3 * 3 and y32.isinf().sum() == 3 * 2
+    assert torch.equal(y.view(torch.int16), bf16_bits(y32))
+    finite = y32.isfinite()
+    assert torch.equal(y[finite], y32[finite].to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("kind", list(KERNELS))
