@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""Repeat one-token forwards of the default native target (or the 4-bit draft) for a while: a steady state to profile.
+"""Repeat forwards of the default native target (or the 4-bit draft) for a while: a steady state to profile.
 
     perf record -D 20000 python3 scripts/forward_loop.py [--draft] [--tokens 1] [--seconds 25]
 
 Loads the default pair as `verispec generate` does, fills a cache (128 tokens for the target, 200 for the
-draft, as scripts/kernel_ab.py does), then runs forwards over one new token until --seconds have passed and
-prints the mean ms per forward. perf's -D skips the load.
+draft, as scripts/kernel_ab.py does), then runs forwards over --tokens new tokens (1: a decode step; k + 1: a
+verify pass) until --seconds have passed and prints the mean ms per forward. perf's -D skips the load.
 """
 
 from __future__ import annotations

@@ -120,8 +120,19 @@ static void bench(const char* name, const std::vector<uint8_t>& q, long tiles) {
 }
 
 int main(int argc, char** argv) {
+  // bad input: one line on stderr, exit 2
+  char* end = nullptr;
+  const long mb = argc > 1 ? strtol(argv[1], &end, 10) : 7;
+  if (argc > 2 || (argc > 1 && (*end != '\0' || mb < 1 || mb > 4096))) {
+    fprintf(stderr, "vnni_roofline: usage: vnni_roofline [MB], MB an integer in 1..4096 (got %s)\n", argc > 1 ? argv[1] : "");
+    return 2;
+  }
+  if (!__builtin_cpu_supports("avx512vnni") || !__builtin_cpu_supports("avx512bw")) {
+    fprintf(stderr, "vnni_roofline: this CPU has no AVX512-VNNI; the loop measured here is the AVX512 path's\n");
+    return 2;
+  }
   peaks();
-  const long mb = argc > 1 ? atol(argv[1]) : 7, tiles = mb * 1000000 / TILE;
+  const long tiles = mb * 1000000 / TILE;
   std::vector<uint8_t> q(tiles * TILE + 4 * TILE);
   for (auto& v : q) v = static_cast<uint8_t>(rand());
   bench<1, false, false>("M=1", q, tiles);
