@@ -765,10 +765,10 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
         // shared the scales); a one-token forward -7%, four tokens -9%. For M = 6..16, two or more passes
         // making them each time gained nothing.
         const bool inl = vec && m_hi - m_lo <= 5;
-        const ScalesFn fast = vec ? scales_for(sg.kind) : (avx2 ? scales_for_avx2(sg.kind) : nullptr);
-        if (fast && !inl)
+        const ScalesFn fast = inl ? nullptr : vec ? scales_for(sg.kind) : (avx2 ? scales_for_avx2(sg.kind) : nullptr);
+        if (fast)
           fast(bl, st, rsb, sv.data(), mv.data());
-        else if (!fast)
+        else if (!inl)
           for (int64_t b = 0; b < bl.count; ++b)
             for (int64_t j = 0; j < NR; ++j)
               lane_scales(sg.kind, bl.size[b], bl.k0[b], st + j * rsb, sv.data() + (b * NR + j) * LANES,
