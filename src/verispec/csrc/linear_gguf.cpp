@@ -419,6 +419,21 @@ __attribute__((target("avx512f,avx512dq,sse3"), always_inline)) inline float red
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
 }
 
+// reduce16_avx512 of four registers at once -> [4]: the same additions in the same order for each (float
+// addition commutes bitwise), done on the four side by side: 14 instructions instead of 4 x 8
+__attribute__((target("avx512f,avx512dq,sse3"), always_inline))
+inline __m128 reduce16x4_avx512(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
+  // s8[l] = p[l] + p[l + 8]: [v0.s8, v1.s8] and [v2.s8, v3.s8]
+  const __m512 a = _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x44), _mm512_shuffle_f32x4(v0, v1, 0xee));
+  const __m512 b = _mm512_add_ps(_mm512_shuffle_f32x4(v2, v3, 0x44), _mm512_shuffle_f32x4(v2, v3, 0xee));
+  // s4[l] = s8[l] + s8[l + 4]: 128-bit lane r holds v_r's s4
+  const __m512 s4 = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
+  // (s4[0] + s4[2]) + (s4[1] + s4[3]) in element 0 of each 128-bit lane
+  const __m512 t = _mm512_add_ps(s4, _mm512_shuffle_ps(s4, s4, 0xee));
+  const __m512 r = _mm512_add_ps(t, _mm512_movehdup_ps(t));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), r));
+}
+
 // One (row, weight row) pair's block result, from its exact int32 lane sums, into its fp32 lanes facc
 template <int SHIFT>
 __attribute__((target("avx512f"), always_inline))
@@ -527,7 +542,10 @@ static void rows_vnni(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
   if constexpr (!(KIND == kQ4_K || KIND == kQ5_K || KIND == kQ6_K))
     if (bl.tail128) block_vnni<MR, NRS, KIND, 128, INL>(t, m0, j0, b++, facc);
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NRS; ++j) out[i * NR + j0 + j] = reduce16_avx512(facc[i][j]);
+    if constexpr (NRS == 4)
+      _mm_storeu_ps(out + i * NR + j0, reduce16x4_avx512(facc[i][0], facc[i][1], facc[i][2], facc[i][3]));
+    else
+      for (int j = 0; j < NRS; ++j) out[i * NR + j0 + j] = reduce16_avx512(facc[i][j]);
 }
 
 // One block of BK for MR activation rows x NRS weight rows with AVX2 (no VNNI): the 16 lanes as two halves
