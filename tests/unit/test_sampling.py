@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from verispec import ConfigError, SamplingParams
-from verispec.sampling import logits_to_probs, next_token, sample
+from verispec.sampling import argmax, logits_to_probs, next_token, sample
 
 # ---------------------------------------------------------------------------------------------
 # SamplingParams validation
@@ -322,3 +322,20 @@ def test_sample_seeded_and_in_support():
     draws = torch.stack([sample(probs, g) for _ in range(400)])  # [400, 2]
     assert set(draws[:, 0].tolist()) == {1, 3}
     assert set(draws[:, 1].tolist()) == {0}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_is_tensor_argmax_first_index_on_ties(dtype):
+    """sampling.argmax (torch.max's indices, faster on bf16) picks what Tensor.argmax picks: the first index of
+    the largest value, with ties (common in bf16), masked -inf rows and a row of equal values."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 151936, generator=g) * 3).to(dtype)
+    x[1, 7], x[1, 90000] = 40.0, 40.0  # a tie: index 7
+    x[2, :] = -float("inf")  # all masked: index 0
+    x[3, :] = 1.5  # all equal: index 0
+    x[4, 100:] = -float("inf")
+    x[4, 50], x[4, 60] = 9.0, 9.0  # a tie before the masked tail: index 50
+    want = x.argmax(-1)
+    assert torch.equal(argmax(x), want) and want[1:5].tolist() == [7, 0, 0, 50]
+    assert torch.equal(argmax(x[0]), x[0].argmax(-1))  # one row, no batch dimension
+    assert torch.equal(next_token(x, SamplingParams(), None), want)

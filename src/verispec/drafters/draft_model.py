@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..adaptive import Calibration, ema, worth_another_draft
 from ..models.kv_cache import KVCache
 from ..models.llama import Transformer
-from ..sampling import logits_to_probs, mask_logits
+from ..sampling import argmax, logits_to_probs, mask_logits
 from .base import Draft, DraftRequest
 
 
@@ -56,7 +56,7 @@ class DraftModelDrafter:
             t0, fed = time.perf_counter(), tokens.shape[1]
             logits = fit_vocab(self._forward(tokens), request.vocab_size, request.logit_mask)  # [1, V]
             probs = None if request.params.greedy else logits_to_probs(logits, request.params)  # [1, V]
-            token = logits.argmax(-1) if probs is None else torch.multinomial(probs, 1, generator=request.generator)[:, 0]
+            token = argmax(logits) if probs is None else torch.multinomial(probs, 1, generator=request.generator)[:, 0]
             tokens_out.append(token)
             if probs is not None:
                 probs_out.append(probs)
