@@ -78,6 +78,7 @@ class Swap:
     """The draft's matrices switched between their linear_q4 copy and a Q4_0 one (the fused layer is rebuilt)."""
 
     def __init__(self, model):
+        from verispec.errors import VerispecError
         from verispec.models import gguf_native, hugepages
         from verispec.models.linear import Linear
 
@@ -85,10 +86,10 @@ class Swap:
         for m in model.modules():
             if isinstance(m, Linear) and m.qop is not None:
                 if not gguf_native.supported("Q4_0", m.in_features):
-                    raise ValueError(f"K = {m.in_features}: no Q4_0 kernel")
+                    raise VerispecError(f"a draft matrix with K = {m.in_features}: no Q4_0 kernel")
                 part = gguf_native.NativePart("Q4_0", *quantize_q4_0(m.dense_weight()))
                 self.mats[m] = ((m.qweights, m.qop), (gguf_native.NativeWeight.from_parts([part]).tensors,
-                                                        torch_ops().linear_gguf_q))
+                                                        linear_gguf_as_qop))
         self.use(True)  # the Q4_0 tensors into 2 MB pages too, as quantize_weights placed linear_q4's
         for m in self.mats:
             m.in_huge_pages = False
@@ -102,15 +103,11 @@ class Swap:
             layer._fused = None
 
 
-def torch_ops():
+def linear_gguf_as_qop(x, q, s, meta, bias, n):
     """linear_gguf behind linear_q4's signature (x, *weights, bias, N), as Linear.forward calls a qop."""
     import torch
 
-    class Ops:
-        @staticmethod
-        def linear_gguf_q(x, q, s, meta, bias, n):
-            return torch.ops.verispec.linear_gguf(x, q, s, meta, bias)
-    return Ops
+    return torch.ops.verispec.linear_gguf(x, q, s, meta, bias)
 
 
 def run(args) -> None:
