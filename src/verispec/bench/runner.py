@@ -57,7 +57,10 @@ def _record(prompt, ids, name: str, method: str, k: int | None, stats: dict, ide
 
 
 def verify_cost_curve(llm, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: int = 8) -> dict[int, float]:
-    """ms of one target forward over T new tokens (warm cache of ``context`` tokens), for each T."""
+    """ms of one target forward over T new tokens (warm cache of ``context`` tokens), for each T: the median
+    of ``repeats`` rounds that each time every size once, after two rounds of warm-up. Sizes one after the
+    other (all of T = 1 first) let a slow spell land on one size: on a Zen 4 VM, right after the bandwidth
+    probe, T = 1 came out at 74-77 ms against 41-46 for T = 2 in two bench runs."""
     import torch
 
     from ..models.kv_cache import KVCache
@@ -67,16 +70,14 @@ def verify_cost_curve(llm, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: 
     ids = torch.randint(0, cfg.vocab_size, (1, context + max(sizes)), generator=torch.Generator().manual_seed(0))
     ids = ids.to(llm.device)
     model(ids[:, :context], torch.arange(context, device=llm.device)[None], cache, num_logits=1)
-    out = {}
-    for T in sizes:
-        pos = torch.arange(context, context + T, device=llm.device)[None]
-        times = []
-        for _ in range(repeats + 2):
+    times = {T: [] for T in sizes}
+    for _ in range(repeats + 2):
+        for T in sizes:
+            pos = torch.arange(context, context + T, device=llm.device)[None]
             cache.truncate(context)
             t0 = time.perf_counter()
             model(ids[:, context:context + T], pos, cache)
             if llm.device.startswith("cuda"):
                 torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        out[T] = 1e3 * statistics.median(times[2:])
-    return out
+            times[T].append(time.perf_counter() - t0)
+    return {T: 1e3 * statistics.median(ts[2:]) for T, ts in times.items()}
