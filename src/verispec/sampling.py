@@ -20,7 +20,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     logits = logits.float()
     if params.temperature == 0:
-        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return torch.zeros_like(logits).scatter_(-1, argmax(logits)[..., None], 1.0)
     logits = logits / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:

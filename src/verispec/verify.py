@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import SamplingParams
-from .sampling import logits_to_probs
+from .sampling import argmax, logits_to_probs
 
 PLACEHOLDER_TOKEN_ID = -1  # pads output rows past their accepted run (vLLM's name)
 
@@ -66,7 +66,7 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
     # If p == q up to rounding the residual can vanish (a rejection is then all but impossible): use p.
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
     if params.greedy:
-        extra = residual.argmax(-1)  # [B]
+        extra = argmax(residual)  # [B]
     else:
         extra = torch.multinomial(residual, 1, generator=generator).squeeze(-1)  # [B]
 
