@@ -411,16 +411,8 @@ struct TileArgs {
   int64_t rsb;
 };
 
-// reduce16 of a register, the same additions in the same order
-__attribute__((target("avx512f,avx512dq,sse3"), always_inline)) inline float reduce16_avx512(__m512 v) {
-  const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-  const __m128 t = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));  // s4[0] + s4[2], s4[1] + s4[3]
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-// reduce16_avx512 of four registers at once -> [4]: the same additions in the same order for each (float
-// addition commutes bitwise), done on the four side by side: 14 instructions instead of 4 x 8
+// reduce16 of four registers at once -> [4]: the same additions in the same order for each (float addition
+// commutes bitwise), done on the four side by side: 14 instructions instead of 4 x 8 one register at a time
 __attribute__((target("avx512f,avx512dq,sse3"), always_inline))
 inline __m128 reduce16x4_avx512(__m512 v0, __m512 v1, __m512 v2, __m512 v3) {
   // s8[l] = p[l] + p[l + 8]: [v0.s8, v1.s8] and [v2.s8, v3.s8]
@@ -541,11 +533,12 @@ static void rows_vnni(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
   if (bl.tail256) block_vnni<MR, NRS, KIND, 256, INL>(t, m0, j0, b++, facc);
   if constexpr (!(KIND == kQ4_K || KIND == kQ5_K || KIND == kQ6_K))
     if (bl.tail128) block_vnni<MR, NRS, KIND, 128, INL>(t, m0, j0, b++, facc);
+  static_assert(NRS == 4 || NRS == 2, "tiles of 4 or 2 weight rows");
   for (int i = 0; i < MR; ++i)
     if constexpr (NRS == 4)
       _mm_storeu_ps(out + i * NR + j0, reduce16x4_avx512(facc[i][0], facc[i][1], facc[i][2], facc[i][3]));
-    else
-      for (int j = 0; j < NRS; ++j) out[i * NR + j0 + j] = reduce16_avx512(facc[i][j]);
+    else  // the two sums, twice
+      _mm_storel_pi(reinterpret_cast<__m64*>(out + i * NR + j0), reduce16x4_avx512(facc[i][0], facc[i][1], facc[i][0], facc[i][1]));
 }
 
 // One block of BK for MR activation rows x NRS weight rows with AVX2 (no VNNI): the 16 lanes as two halves
