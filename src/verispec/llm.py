@@ -15,7 +15,7 @@ from . import draft_vocab, drafters
 from .config import DRAFT_QUANT_BITS, EngineConfig, SamplingParams, SpecConfig
 from .decoding import DecodeContext, Stats, autoregressive, speculative
 from .errors import ConfigError, VerispecError
-from .models.kv_cache import KVCache
+from .models.kv_cache import KVCache, PrefixCache
 from .models.loader import LoadedModel, load
 from .models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from .sampling import make_generator
@@ -69,6 +69,7 @@ class LLM:
         self.logit_mask = padding_mask(self.target, self.device)  # [V] bool or None
         self.draft: LoadedModel | None = None
         self.draft_calibrations: dict = {}  # the draft model's confidence -> acceptance, per sampling setting
+        self.draft_prefixes = PrefixCache()  # the draft's KV cache from the last request (drafters/draft_model.py)
         if draft:
             self.draft_model()
 
@@ -96,7 +97,7 @@ class LLM:
         side-by-side comparisons (``verispec bench --draft-quant int8,int4``)."""
         other = copy.copy(self)
         other.engine_config = dataclasses.replace(self.engine_config, draft_quant=draft_quant)
-        other.draft, other.draft_calibrations = None, {}
+        other.draft, other.draft_calibrations, other.draft_prefixes = None, {}, PrefixCache()
         return other
 
     @property

@@ -411,7 +411,7 @@ def test_with_draft_quant_shares_the_target_and_loads_its_own_draft(dirs):
     llm = LLM(target=dirs["target"], draft=dirs["near"], dtype="float32", draft_quant="none")
     other = llm.with_draft_quant("int4")
     assert other.target is llm.target and other.codec is llm.codec
-    assert other.draft_calibrations is not llm.draft_calibrations
+    assert other.draft_calibrations is not llm.draft_calibrations and other.draft_prefixes is not llm.draft_prefixes
     proj = other.draft_model().model.layers[0].mlp.down_proj
     assert other.draft is not llm.draft and getattr(proj, "qop", None) is not None  # its own, in 4 bits
     assert getattr(llm.draft.model.layers[0].mlp.down_proj, "qop", None) is None  # the original's stays float

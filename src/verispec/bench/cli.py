@@ -3,7 +3,9 @@ transformers' ``generate()`` (plain, ``assistant_model=``, ``prompt_lookup_num_t
 
 Per prompt, interleaved: our AR (the baseline), the transformers peers, then every speculative method
 at every K; one warm-up each first. Speedup = AR wall time / method wall time for the same prompt,
-prefill included; medians per category and overall. The JSON report is rewritten after every prompt,
+prefill included; medians per category and overall. A draft model may start from its KV cache of the prompt
+before, as far as the two prompts agree (the chat template's system prompt), as a server's would; never from
+the same prompt's earlier runs. The JSON report is rewritten after every prompt,
 so an interrupted run keeps what it measured.
 """
 
@@ -173,7 +175,7 @@ def run_bench(args) -> int:
     from .peer_llamacpp import LlamaCppPeer
     from .peers import HFPeer
     from .report import markdown, summarize
-    from .runner import run_prompt, verify_cost_curve
+    from .runner import common_prefix, run_prompt, verify_cost_curve
 
     n_new = 32 if args.quick else args.max_new_tokens
     if n_new < 2:
@@ -252,8 +254,9 @@ def run_bench(args) -> int:
             plot_report(report, args.plot)
 
     try:
-        for p, ids in tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", file=sys.stderr):
-            runs, peer_runs = run_prompt(llm, p, ids, params, spec_runs, peers)
+        for i, (p, ids) in enumerate(tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt", file=sys.stderr)):
+            shared = common_prefix(ids, encoded[i - 1]) if i else 0  # the draft's cache may keep this much
+            runs, peer_runs = run_prompt(llm, p, ids, params, spec_runs, peers, shared)
             report["runs"] += runs
             report["peer_runs"] += peer_runs
             finish(final=False)

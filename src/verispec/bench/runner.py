@@ -10,11 +10,14 @@ from ..config import SamplingParams, SpecConfig
 
 
 def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: list[tuple[str, SpecConfig, object]],
-               peers=()) -> tuple[list[dict], list[dict]]:
+               peers=(), shared: int = 0) -> tuple[list[dict], list[dict]]:
     """Our AR (the baseline), each peer's modes, then every speculative method/K on one prompt.
 
     ``spec_runs``: (label, SpecConfig, the LLM that runs it: ``llm`` or one sharing its target with another
     draft format).
+    ``shared``: tokens this prompt shares with the one run before it. Each speculative run's draft model may
+    start from that much of its last KV cache (llm.draft_prefixes), as a server's would after serving the other
+    prompt, never from this prompt's own earlier runs.
     Returns (our run records, peer run records). Speedup = our AR wall / method wall, same prompt.
     """
     ar = llm.generate(ids, params)
@@ -31,8 +34,9 @@ def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: l
                               "identical_to_ar": tokens == ar.token_ids if params.greedy else None})
             if mode == "hf" and params.greedy:
                 runs[0].update(hf_ms_per_token=1e3 * (wall - prefill) / (n_new - 1), hf_tokens_per_s=n_new / wall,
-                               hf_prefill_s=prefill, hf_identical_prefix_tokens=_common_prefix(ar.token_ids, tokens))
+                               hf_prefill_s=prefill, hf_identical_prefix_tokens=common_prefix(ar.token_ids, tokens))
     for name, spec, owner in spec_runs:
+        owner.draft_prefixes.limit(shared)
         out = owner.generate(ids, params, **dataclasses.asdict(spec))
         rec = _record(prompt, ids, name, spec.method, spec.num_draft_tokens, out.stats, out.token_ids == ar.token_ids)
         rec["speedup"] = ar.stats["wall_s"] / out.stats["wall_s"]
@@ -42,7 +46,7 @@ def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: l
     return runs, peer_runs
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 

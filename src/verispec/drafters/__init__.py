@@ -12,8 +12,9 @@ from .ngram import NgramDrafter, NgramIndex
 
 
 def _draft_model(llm, spec) -> DraftModelDrafter:
-    """The draft model; its confidence calibration (early stops) is kept by the LLM across requests."""
-    return DraftModelDrafter(llm.draft_model().model, spec.early_stop, llm.draft_calibrations)
+    """The draft model; its confidence calibration (early stops) and its last KV cache are kept by the LLM across
+    requests."""
+    return DraftModelDrafter(llm.draft_model().model, spec.early_stop, llm.draft_calibrations, llm.draft_prefixes)
 
 
 def _auto(llm, spec) -> AutoDrafter:

@@ -11,20 +11,24 @@ changes the speed, never the output.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch
 import torch.nn.functional as F
 
 from ..adaptive import Calibration, ema, worth_another_draft
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, PrefixCache
 from ..models.llama import Transformer
 from ..sampling import argmax, logits_to_probs, mask_logits
 from .base import Draft, DraftRequest
 
 
 class DraftModelDrafter:
-    def __init__(self, model: Transformer, early_stop: bool = True, calibrations: dict | None = None):
+    def __init__(self, model: Transformer, early_stop: bool = True, calibrations: dict | None = None,
+                 prefixes: PrefixCache | None = None):
         self.model = model
+        self.prefixes = prefixes  # the draft cache of the last request, to start from (None: always from scratch)
+        self._give_back: weakref.finalize | None = None
         self.early_stop = early_stop
         self.t_draft: float | None = None  # recent seconds per draft step (catch-ups excluded)
         # sampling settings -> Calibration (confidence -> chance of acceptance); pass one dict to keep learning
@@ -38,13 +42,15 @@ class DraftModelDrafter:
 
     def lag(self, context: list[int]) -> int:
         """Tokens of ``context`` the draft cache lacks: the next round's first forward feeds them all."""
-        return len(context) - (self.cache.length if self.cache is not None else 0)
+        if self.cache is not None:
+            return len(context) - self.cache.length
+        return len(context) - (self.prefixes.reusable(self.model, context) if self.prefixes is not None else 0)
 
     def propose(self, request: DraftRequest) -> Draft:
         ctx, K = request.context, request.num_tokens
         device = self.model.embed_tokens.weight.device
         if self.cache is None or self.cache.capacity < request.capacity:
-            self.cache = KVCache.for_model(self.model.config, 1, request.capacity, self.model.dtype, device)
+            self.cache = self._new_cache(request, device)
         # 1. catch up: feed the committed tokens the draft cache lacks (all of the prompt, first time)
         tokens = torch.tensor([ctx[self.cache.length:]], device=device)  # [1, T]
         tokens_out, probs_out = [], []
@@ -85,6 +91,17 @@ class DraftModelDrafter:
             return False  # nothing measured yet: draft K
         chances = [self.calibration(q) for q in confidences]
         return not worth_another_draft(chances, self.t_draft, request.verify_s)
+
+    def _new_cache(self, request: DraftRequest, device) -> KVCache:
+        """A cache for this request: from the prefix store when there is one (holding what the last request's
+        context shares with this one), which gets it back, with this context, once this drafter is dropped."""
+        if self.prefixes is None:
+            return KVCache.for_model(self.model.config, 1, request.capacity, self.model.dtype, device)
+        cache = self.prefixes.take(self.model, request.context, request.capacity, self.model.dtype, device)
+        if self._give_back is not None:
+            self._give_back.detach()
+        self._give_back = weakref.finalize(self, self.prefixes.put, self.model, cache, request.context)
+        return cache
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed tokens [1, T] at the next positions; return the last position's logits [1, V]."""

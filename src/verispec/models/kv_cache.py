@@ -51,3 +51,51 @@ class KVCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"truncate({n}) outside [0, {self.length}]")
         self.length = n
+
+
+class PrefixCache:
+    """One model's KV cache from the last finished request, kept for the next: requests that open alike (a chat
+    template's system prompt, the earlier turns of a conversation) feed the model only what follows the common
+    prefix. Used for the draft model, whose cache never bears on exactness (the verifier judges whatever it
+    proposes); the target's prefill is not shared this way (a prefill in other chunks need not give the same bits
+    with dequantized weights, so an AR output could depend on the request before it)."""
+
+    def __init__(self):
+        self.entry: tuple | None = None  # (model, cache, tokens): cache holds tokens[:cache.length]
+
+    def put(self, model, cache: KVCache, tokens: list[int]) -> None:
+        """Keep ``cache`` (holding ``tokens[:cache.length]``) for the next request on ``model``."""
+        self.entry = (model, cache, tokens)
+
+    def limit(self, n: int) -> None:
+        """Keep at most the first n tokens (0: forget everything)."""
+        if self.entry is not None:
+            self.entry[1].truncate(min(n, self.entry[1].length))
+
+    def reusable(self, model, context: list[int]) -> int:
+        """How many leading tokens of ``context`` the kept cache holds for ``model``; never all of them (the
+        model must be fed at least one token to give logits)."""
+        if self.entry is None or self.entry[0] is not model:
+            return 0
+        _, cache, tokens = self.entry
+        n, limit = 0, min(cache.length, len(tokens), len(context) - 1)  # tokens: a request may end mid-round
+        while n < limit and tokens[n] == context[n]:
+            n += 1
+        return n
+
+    def take(self, model, context: list[int], capacity: int, dtype, device) -> KVCache:
+        """A cache of ``capacity`` for ``model`` holding the reusable prefix of ``context`` (0 tokens if none). The
+        kept cache is handed over (or copied from, when too small) and forgotten: a request running at the same
+        time gets a fresh one."""
+        n = self.reusable(model, context)
+        kept = self.entry[1] if self.entry is not None else None
+        self.entry = None
+        if n and kept.capacity >= capacity:
+            kept.truncate(n)
+            return kept
+        cache = KVCache.for_model(model.config, 1, capacity, dtype, device)
+        if n:
+            cache.k[:, :, :, :n] = kept.k[:, :, :, :n]
+            cache.v[:, :, :, :n] = kept.v[:, :, :, :n]
+            cache.length = n
+        return cache
