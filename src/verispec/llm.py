@@ -114,10 +114,11 @@ class LLM:
             ids.append(tok.eos_token_id)
         return tuple(dict.fromkeys(ids))
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, method: str = AR,
+    def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None, method: str = AR,
                  num_draft_tokens: int = 4, chat: bool = False, system: str | None = None,
                  **spec_options) -> GenerationOutput:
-        """Generate from ``prompt`` (text, or token ids) with ``method`` ("ar", "draft", "ngram", "auto").
+        """Generate from ``prompt`` (text, token ids, or a conversation: [{"role": ..., "content": ...}, ...], put
+        through the chat template) with ``method`` ("ar", "draft", "ngram", "auto").
 
         ``spec_options``: the other SpecConfig fields (adaptive, min_draft_tokens, ngram_min, ngram_max).
         """
@@ -125,7 +126,7 @@ class LLM:
             pass
         return self._last
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, method: str = AR,
+    def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None, method: str = AR,
                num_draft_tokens: int = 4, chat: bool = False, system: str | None = None,
                **spec_options) -> Iterator[str]:
         """Yield text pieces as tokens are committed (each accepted run at once, for speculative methods).

@@ -16,22 +16,23 @@ class Codec:
     def has_tokenizer(self) -> bool:
         return self.tok is not None
 
-    def encode(self, prompt: str | list[int], chat: bool = False, system: str | None = None) -> list[int]:
+    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False, system: str | None = None) -> list[int]:
+        """Text (through the chat template when ``chat``), token ids, or a conversation: a list of
+        {"role": "system" | "user" | "assistant", "content": str} messages ending with the user's, always through
+        the chat template."""
+        if is_conversation(prompt):
+            if system is not None:
+                raise VerispecError("system: give a conversation's system prompt as its first message")
+            return self._template(check_messages(prompt))
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise VerispecError("empty prompt")
             if self.tok is None:
                 raise VerispecError("this model has no tokenizer files: pass the prompt as token ids")
             if chat:
-                if not getattr(self.tok, "chat_template", None):
-                    raise VerispecError("--chat: this tokenizer has no chat template")
-                messages = ([{"role": "system", "content": system}] if system else []) + \
-                    [{"role": "user", "content": prompt}]
-                ids = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            else:
-                ids = self.tok(prompt).input_ids
-            return list(ids)
+                return self._template(([{"role": "system", "content": system}] if system else []) +
+                                      [{"role": "user", "content": prompt}])
+            return list(self.tok(prompt).input_ids)
         if chat:
             raise VerispecError("--chat needs a text prompt, not token ids")
         try:
@@ -45,7 +46,34 @@ class Codec:
             raise VerispecError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+    def _template(self, messages: list[dict]) -> list[int]:
+        if self.tok is None:
+            raise VerispecError("this model has no tokenizer files: pass the prompt as token ids")
+        if not getattr(self.tok, "chat_template", None):
+            raise VerispecError("--chat: this tokenizer has no chat template")
+        ids = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
     def decode(self, ids: list[int]) -> str:
         if self.tok is None or not ids:
             return ""
         return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+ROLES = ("system", "user", "assistant")
+
+
+def is_conversation(prompt) -> bool:
+    return isinstance(prompt, (list, tuple)) and any(isinstance(m, dict) for m in prompt)
+
+
+def check_messages(messages) -> list[dict]:
+    """A conversation as the chat template takes it, or a one-line error."""
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+            raise VerispecError(f"message {i}: expected {{'role': ..., 'content': ...}}, got {m!r:.80}")
+        if m["role"] not in ROLES or not isinstance(m["content"], str):
+            raise VerispecError(f"message {i}: role must be one of {', '.join(ROLES)} and content a string")
+    if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+        raise VerispecError("a conversation must end with a non-empty user message")
+    return [dict(m) for m in messages]

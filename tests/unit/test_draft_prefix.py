@@ -61,6 +61,18 @@ def test_a_request_feeds_the_draft_only_what_follows_the_shared_prefix(llm, firs
     assert first_feeds and first_feeds[0][0] <= 3
 
 
+def test_a_conversations_next_turn_feeds_the_draft_only_the_new_turn(llm, first_feeds):
+    llm.draft_prefixes.limit(0)
+    first = llm.generate(A, GREEDY, method="draft")
+    first_feeds.clear()
+    second = A + first.token_ids + B  # the answer, then the next question
+    llm.generate(second, GREEDY, method="draft")
+    start, fed = first_feeds[0]
+    # the draft saw all of the first request but its last token or two (a last draft never fed, a closing
+    # target step); now it is fed the rest, through the second request's first token
+    assert len(A) + len(first.token_ids) - 3 <= start and start + fed == len(second) + 1
+
+
 def kept_a(llm, capacity: int):
     """(draft model, a store keeping its cache of A, that cache)"""
     model = llm.draft_model().model

@@ -139,6 +139,34 @@ def test_chat_template(llms):
         llm.generate(utf8("Hi"), SamplingParams(max_new_tokens=4), chat=True)
 
 
+def test_conversation(llms):
+    llm = llms["qwen2"]
+    turn = [START_ID] + utf8("user\nHi there") + [EOS_ID] + utf8("\n")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}]
+    out = llm.generate(messages, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert out.prompt_token_ids == ([START_ID] + utf8("system\nBe brief.") + [EOS_ID] + utf8("\n") + turn +
+                                    [START_ID] + utf8("assistant\nHello") + [EOS_ID] + utf8("\n") +
+                                    [START_ID] + utf8("user\nAgain") + [EOS_ID] + utf8("\n") +
+                                    [START_ID] + utf8("assistant\n"))
+    one = llm.generate([{"role": "user", "content": "Hi there"}], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert one.prompt_token_ids == llm.generate("Hi there", SamplingParams(max_new_tokens=4), chat=True).prompt_token_ids
+    assert "".join(llm.stream(messages, SamplingParams(max_new_tokens=4, ignore_eos=True))) == out.text
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user"}], [{"role": "bot", "content": "Hi"}], [{"role": "user", "content": 3}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}],
+    [{"role": "user", "content": "  "}], [{"role": "user", "content": "Hi"}, 5],
+    [{"role": "user", "content": "Hi", "name": "x"}]])
+def test_bad_conversations(llms, messages):
+    with pytest.raises(VerispecError) as ei:
+        llms["qwen2"].generate(messages, SamplingParams(max_new_tokens=4))
+    assert "\n" not in str(ei.value)
+    with pytest.raises(VerispecError, match="first message"):
+        llms["qwen2"].generate([{"role": "user", "content": "Hi"}], SamplingParams(max_new_tokens=4), system="x")
+
+
 @pytest.mark.parametrize("prompt", ["", "   \n\t", [], [1, 2, 264], [-1], [1, "x"], ["a"]])
 def test_bad_prompts(llms, prompt):
     with pytest.raises(VerispecError) as ei:
