@@ -7,6 +7,9 @@ Order of filters as in transformers: temperature, then top-k, then top-p.
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
 from .config import SamplingParams
@@ -40,8 +43,17 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 
 def mask_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Padding rows of the embedding (mask [V], True = not a real token) can never be chosen."""
-    return logits if mask is None else logits.masked_fill(mask, float("-inf"))
+    """Padding rows of the embedding (mask [V], True = not a real token) can never be chosen. The same result as
+    masked_fill, written only at the mask's positions: float32 rows of 151,936 logits, 1 / 5 rows: 23 / 79 us
+    against 130 / 744 (2-core Zen 4, torch 2.13)."""
+    return logits if mask is None else logits.index_fill(-1, _masked_ids(mask), float("-inf"))
+
+
+@functools.lru_cache(maxsize=16)
+def _masked_ids(mask: torch.Tensor) -> torch.Tensor:
+    """[P] the positions of a mask's True entries (a tensor hashes by identity: one lookup per mask object; masks
+    are made once and never changed)."""
+    return mask.nonzero()[:, 0]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -50,9 +62,12 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """The largest logit's index per row, the first on ties: [..., V] -> [...] (int64). Tensor.argmax's result,
-    taken from torch.max: on bf16 CPU rows 2.4x faster (torch 2.13, [1, 151936]: 250 against 600 us a call;
-    float32 rows cost the same either way)."""
+    """The largest logit's index per row, the first on ties: [..., V] -> [...] (int64), Tensor.argmax's result
+    (NaN counts as the largest, as there). Float32 CPU rows go through NumPy's vectorized argmax: [1, 151936]
+    13 us against 157 for torch.max and Tensor.argmax, [5, 151936] 57 against 427 (2-core Zen 4, torch 2.13).
+    Other rows take torch.max: on bf16 CPU rows 2.4x faster than Tensor.argmax (250 against 600 us)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.as_tensor(np.asarray(logits.detach().numpy().argmax(-1), dtype=np.int64))
     return torch.max(logits, -1).indices
 
 

@@ -147,6 +147,8 @@ def make_llm(model_dirs, draft: str, tables=None) -> LLM:
     if tables is not None:
         llm.target.model = TableModel(llm.target.model, tables["target"])
         llm.draft.model = TableModel(llm.draft.model, tables[draft])
+        llm.draft_prefixes = None  # the stand-in's "keys" live on the cache object: a kept cache copied into a
+        # larger one would lose them (real networks keep theirs in k / v and reuse them: the runs compared below)
     return llm
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from verispec import ConfigError, SamplingParams
-from verispec.sampling import argmax, logits_to_probs, next_token, sample
+from verispec.sampling import argmax, logits_to_probs, mask_logits, next_token, sample
 
 # ---------------------------------------------------------------------------------------------
 # SamplingParams validation
@@ -326,16 +326,33 @@ def test_sample_seeded_and_in_support():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_argmax_is_tensor_argmax_first_index_on_ties(dtype):
-    """sampling.argmax (torch.max's indices, faster on bf16) picks what Tensor.argmax picks: the first index of
-    the largest value, with ties (common in bf16), masked -inf rows and a row of equal values."""
+    """sampling.argmax (NumPy's argmax on float32 rows, torch.max's indices on others) picks what Tensor.argmax
+    picks: the first index of the largest value, with ties (common in bf16), masked -inf rows, a row of equal
+    values, NaN (the largest) and +inf; for one row, a batch of rows, a [B, T, V] block and a strided view."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(6, 151936, generator=g) * 3).to(dtype)
+    x = (torch.randn(8, 151936, generator=g) * 3).to(dtype)
     x[1, 7], x[1, 90000] = 40.0, 40.0  # a tie: index 7
     x[2, :] = -float("inf")  # all masked: index 0
     x[3, :] = 1.5  # all equal: index 0
     x[4, 100:] = -float("inf")
     x[4, 50], x[4, 60] = 9.0, 9.0  # a tie before the masked tail: index 50
+    x[5, 300], x[5, 200], x[5, 9] = float("nan"), float("nan"), float("inf")  # the first NaN: index 200
+    x[6, 11], x[6, 12] = float("inf"), float("inf")  # index 11
     want = x.argmax(-1)
-    assert torch.equal(argmax(x), want) and want[1:5].tolist() == [7, 0, 0, 50]
+    assert torch.equal(argmax(x), want) and want[1:7].tolist() == [7, 0, 0, 50, 200, 11]
+    assert argmax(x).dtype == torch.int64
     assert torch.equal(argmax(x[0]), x[0].argmax(-1))  # one row, no batch dimension
+    assert torch.equal(argmax(x.view(2, 4, -1)), want.view(2, 4))
+    assert torch.equal(argmax(x[:, ::3]), x[:, ::3].argmax(-1))
     assert torch.equal(next_token(x, SamplingParams(), None), want)
+
+
+def test_mask_logits_is_masked_fill():
+    g = torch.Generator().manual_seed(1)
+    for V, rows in ((151936, (1,)), (151936, (2, 5)), (300, (3,))):
+        mask = torch.rand(V, generator=g) < 0.01
+        mask[-7:] = True  # a padding tail
+        x = torch.randn(*rows, V, generator=g)
+        assert torch.equal(mask_logits(x, mask), x.masked_fill(mask, float("-inf")))
+        assert torch.equal(mask_logits(x, mask), x.masked_fill(mask, float("-inf")))  # the cached positions
+    assert mask_logits(x, None) is x
