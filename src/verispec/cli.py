@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from .config import DRAFT_QUANT_BITS
 from .errors import VerispecError
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate a completion")
-    g.add_argument("prompt", help="prompt text ('-' reads stdin)")
+    g.add_argument("prompt", nargs="?", help="prompt text ('-' reads stdin); leave out with --messages")
     _add_model_args(g)
     g.add_argument("--method", default="ar", help="decoding method: ar (default), draft (a draft model proposes), "
                                                    "ngram (lookup in prompt + output) or auto (the best per round)")
@@ -130,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; \\n, \\t are escapes)")
     g.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template")
     g.add_argument("--system", default=None, help="system message for --chat")
+    g.add_argument("--messages", default=None, metavar="FILE",
+                   help='a conversation instead of a prompt: a JSON list of {"role": "system" | "user" | "assistant", '
+                        '"content": ...} ending with the user\'s, put through the chat template (\'-\' reads stdin)')
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as the last line')
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
 
@@ -161,9 +165,7 @@ def unescape(text: str) -> str:
 def cmd_generate(args) -> int:
     from . import LLM, SamplingParams
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-    if not prompt.strip():
-        raise VerispecError("empty prompt")
+    prompt = read_prompt(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop])
     llm = LLM(**engine_options(args))
@@ -187,6 +189,31 @@ def cmd_generate(args) -> int:
         print(f"[{args.method}: {s['new_tokens']} tokens, {s['tokens_per_s']:.2f} tok/s, prefill {s['prefill_s']:.2f}s, "
               f"{s['decode_ms_per_token']:.1f} ms/token{spec}, stop: {out.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def read_prompt(args) -> str | list[dict]:
+    """The prompt text, or the --messages conversation."""
+    from .tokenizer import check_messages
+
+    if args.messages is None:
+        if args.prompt is None:
+            raise VerispecError("give a prompt (or --messages FILE)")
+        prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if not prompt.strip():
+            raise VerispecError("empty prompt")
+        return prompt
+    if args.prompt is not None:
+        raise VerispecError("give a prompt or --messages, not both")
+    try:
+        text = sys.stdin.read() if args.messages == "-" else Path(args.messages).read_text(encoding="utf-8")
+        messages = json.loads(text)
+    except OSError as e:
+        raise VerispecError(f"--messages: cannot read {args.messages} ({e.strerror or e})") from None
+    except (UnicodeError, ValueError) as e:
+        raise VerispecError(f"--messages: {args.messages} is not a JSON file ({str(e).splitlines()[0]})") from None
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise VerispecError('--messages: expected a JSON list of {"role": ..., "content": ...} messages')
+    return check_messages(messages)  # before any model loads
 
 
 def cmd_models(args) -> int:

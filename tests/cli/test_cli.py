@@ -181,6 +181,43 @@ def test_generate_prompt_from_stdin(capsys, monkeypatch, tiny):
     assert json.loads(out.strip().splitlines()[-1])["token_ids"] == hf_greedy(tiny, list(b"Hello, CLI"), 5)
 
 
+def test_generate_a_conversation(capsys, tiny, tmp_path, monkeypatch):
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+            {"role": "user", "content": "Again"}]
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps(chat))
+    argv = ["generate", "--messages", str(path), "--target", tiny, "--dtype", "float32", "--max-new-tokens", "6", "--json"]
+    rc, out, err = run_main(capsys, argv)
+    assert rc == 0, err
+    want = LLM(target=tiny, dtype="float32").generate(chat, SamplingParams(max_new_tokens=6)).token_ids
+    assert json.loads(out.strip().splitlines()[-1])["token_ids"] == want
+    argv[2] = "-"
+    rc, out, err = run_main(capsys, argv, stdin=json.dumps(chat), monkeypatch=monkeypatch)
+    assert rc == 0 and json.loads(out.strip().splitlines()[-1])["token_ids"] == want
+
+
+@pytest.mark.parametrize("name,content", [
+    ("missing", None), ("not json", "{role: user"), ("not a list", '{"role": "user", "content": "Hi"}'),
+    ("empty list", "[]"), ("token ids", "[1, 2]"), ("bad role", '[{"role": "bot", "content": "Hi"}]'),
+    ("ends with the assistant", '[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]'),
+    ("not utf-8", b"\xff\xfe[")])
+def test_bad_messages(capsys, tiny, tmp_path, name, content):
+    path = tmp_path / "chat.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    argv = ["generate", "--messages", str(path), "--target", tiny, "--dtype", "float32"]
+    assert_one_error_line(*run_main(capsys, argv))
+
+
+def test_prompt_and_messages_together_or_neither(capsys, tiny, tmp_path):
+    path = tmp_path / "chat.json"
+    path.write_text('[{"role": "user", "content": "Hi"}]')
+    assert_one_error_line(*run_main(capsys, gen(tiny, "--messages", str(path))))
+    assert_one_error_line(*run_main(capsys, ["generate", "--target", tiny, "--dtype", "float32"]))
+
+
 def test_models_list(capsys):
     rc, out, err = run_main(capsys, ["models", "list"])
     assert rc == 0, err
