@@ -113,8 +113,9 @@ def tables(model_dirs):
 class TableModel:
     """Stands in for a ``Transformer``: same call, logits looked up by the tokens the cache holds.
 
-    Each call writes its tokens at cache slots [length, length + T) (recorded on the cache object, as
-    keys/values would be), advances the cache and returns the logits of the last ``num_logits``
+    Each call writes its tokens at cache slots [length, length + T) (into the cache's key tensor, where a
+    network's keys go, so a kept draft cache handed to the next request carries them), advances the cache
+    and returns the logits of the last ``num_logits``
     positions given everything in slots [0, position]. A history outside the table (deeper than
     DEPTH, or not starting with the prompt) raises: the runs below never need one.
     """
@@ -128,11 +129,9 @@ class TableModel:
         start = cache.reserve(T)
         assert B == 1 and mask is None and not hidden_layers
         assert positions.tolist() == [list(range(start, start + T))], "wrong RoPE positions"
-        if not hasattr(cache, "table_tokens"):
-            cache.table_tokens = []
-        held = cache.table_tokens
-        del held[start:]  # slots past cache.length were rolled back: overwritten now
-        held += input_ids[0].tolist()
+        slots = cache.k[0, 0, 0, :, 0]  # [capacity]: each slot's token id, kept where a network keeps its keys
+        slots[start:start + T] = input_ids[0].to(slots.dtype)  # (so a cache copied or handed on carries them)
+        held = slots[:start + T].long().tolist()
         cache.advance(T)
         n = T if num_logits is None else num_logits
         rows = []
@@ -147,8 +146,6 @@ def make_llm(model_dirs, draft: str, tables=None) -> LLM:
     if tables is not None:
         llm.target.model = TableModel(llm.target.model, tables["target"])
         llm.draft.model = TableModel(llm.draft.model, tables[draft])
-        llm.draft_prefixes = None  # the stand-in's "keys" live on the cache object: a kept cache copied into a
-        # larger one would lose them (real networks keep theirs in k / v and reuse them: the runs compared below)
     return llm
 
 

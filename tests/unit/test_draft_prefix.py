@@ -73,6 +73,19 @@ def test_a_conversations_next_turn_feeds_the_draft_only_the_new_turn(llm, first_
     assert len(A) + len(first.token_ids) - 3 <= start and start + fed == len(second) + 1
 
 
+def test_the_bench_lets_a_draft_reuse_only_what_the_prompt_shares_with_the_one_before(llm, first_feeds):
+    from verispec.bench.prompts import Prompt
+    from verispec.bench.runner import run_prompt
+    from verispec.config import SpecConfig
+
+    llm.generate(A, GREEDY, method="draft")  # the store now holds all of A
+    first_feeds.clear()
+    runs = [("one", SpecConfig("draft", 4), llm), ("two", SpecConfig("draft", 4), llm)]
+    run_prompt(llm, Prompt("a", "coding", "-"), A, GREEDY, runs, shared=3)
+    prefills = [start for start, fed in first_feeds if start + fed == len(A) + 1]  # each run's first forward
+    assert len(prefills) == 2 and max(prefills) <= 3  # not the whole prompt the first run fed
+
+
 def kept_a(llm, capacity: int):
     """(draft model, a store keeping its cache of A, that cache)"""
     model = llm.draft_model().model
