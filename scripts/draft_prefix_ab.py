@@ -89,7 +89,7 @@ def run(args) -> None:
 def one_prompt(llm, methods, rows, first, params, p, ids, previous, flip) -> tuple[str, list[int]]:
     """AR, then each method cold and kept (in turns); rows get the results. ``previous``: the last request's
     tokens, prompt and answer (what a kept draft cache holds). Returns AR's text and this request's tokens."""
-    from verispec.bench.runner import common_prefix
+    from verispec.models.kv_cache import common_prefix
 
     shared = common_prefix(ids, previous) if previous else 0
     ar = llm.generate(ids, params)

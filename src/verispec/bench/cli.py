@@ -175,7 +175,8 @@ def run_bench(args) -> int:
     from .peer_llamacpp import LlamaCppPeer
     from .peers import HFPeer
     from .report import markdown, summarize
-    from .runner import common_prefix, run_prompt, verify_cost_curve
+    from ..models.kv_cache import common_prefix
+    from .runner import run_prompt, verify_cost_curve
 
     n_new = 32 if args.quick else args.max_new_tokens
     if n_new < 2:

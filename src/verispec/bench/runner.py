@@ -7,6 +7,7 @@ import statistics
 import time
 
 from ..config import SamplingParams, SpecConfig
+from ..models.kv_cache import common_prefix
 
 
 def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: list[tuple[str, SpecConfig, object]],
@@ -44,10 +45,6 @@ def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: l
         rec["early_stop"] = spec.early_stop
         runs.append(rec)
     return runs, peer_runs
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _record(prompt, ids, name: str, method: str, k: int | None, stats: dict, identical: bool) -> dict:

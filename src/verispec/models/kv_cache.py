@@ -53,6 +53,11 @@ class KVCache:
         self.length = n
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two sequences share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class PrefixCache:
     """One model's KV cache from the last finished request, kept for the next: requests that open alike (a chat
     template's system prompt, the earlier turns of a conversation) feed the model only what follows the common
@@ -78,10 +83,8 @@ class PrefixCache:
         if self.entry is None or self.entry[0] is not model:
             return 0
         _, cache, tokens = self.entry
-        n, limit = 0, min(cache.length, len(tokens), len(context) - 1)  # tokens: a request may end mid-round
-        while n < limit and tokens[n] == context[n]:
-            n += 1
-        return n
+        limit = min(cache.length, len(tokens), len(context) - 1)  # tokens: a request may end mid-round
+        return common_prefix(tokens[:limit], context[:limit])
 
     def take(self, model, context: list[int], capacity: int, dtype, device) -> KVCache:
         """A cache of ``capacity`` for ``model`` holding the reusable prefix of ``context`` (0 tokens if none). The
