@@ -374,22 +374,6 @@ inline void lane_scales_avx2(int64_t B, int64_t k0, const uint8_t* s, float* sv,
   }
 }
 
-template <int KIND>
-__attribute__((target("avx2,fma,f16c")))
-static void tile_scales_avx2(const Blocks& bl, const uint8_t* st, int64_t rsb, float* sv, float* mv) {
-  for (int64_t b = 0; b < bl.count; ++b)
-    for (int64_t j = 0; j < NR; ++j)
-      lane_scales_avx2<KIND>(bl.size[b], bl.k0[b], st + j * rsb, sv + (b * NR + j) * LANES, mv + (b * NR + j) * LANES);
-}
-
-ScalesFn scales_for_avx2(int64_t kind) {
-  switch (kind) {
-    case kQ4_K: case kQ5_K: return tile_scales_avx2<kQ4_K>;
-    case kQ6_K: return tile_scales_avx2<kQ6_K>;
-    default: return tile_scales_avx2<kQ8_0>;
-  }
-}
-
 // sum of the 16 lanes, in the one order both paths use
 inline float reduce16(const float* p) {
   float s8[8], s4[4];
@@ -541,16 +525,19 @@ static void rows_vnni(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
       _mm_storel_pi(reinterpret_cast<__m64*>(out + i * NR + j0), reduce16x4_avx512(facc[i][0], facc[i][1], facc[i][0], facc[i][1]));
 }
 
-// One block of BK for MR activation rows x NRS weight rows with AVX2 (no VNNI): the 16 lanes as two halves
-// of 8 (bytes 0-31 and 32-63 of each chunk). The lane sums are the same exact integers as dpbusd's: maddubs
-// (unsigned q x signed x, pairs summed in int16) added in int16 over G chunks, few enough that no sum can
-// leave int16 (|pair| <= 2 * max q * 127: 8 chunks of 4-bit, 4 of 5-bit, 2 of 6-bit), then widened by madd.
-// Q8_0's q + 128 would overflow: it runs as signed q (q ^ 0x80) times x with maddubs' sign trick
-// (|q| x sign(x, q), |pair| <= 2 * 128 * 127), the same sum as VNNI's (q + 128) x - 128 sum x. The float
-// operations per lane are then those of block_vnni, in the same order (facc in memory: 16 ymm registers).
-template <int MR, int NRS, int KIND, int BK>
+// One block of BK for MR activation rows x the tile's NR weight rows with AVX2 (no VNNI): the 16 lanes as two
+// halves of 8 (bytes 0-31 and 32-63 of each chunk). The lane sums are the same exact integers as dpbusd's:
+// maddubs (unsigned q x signed x, pairs summed in int16) added in int16 over G chunks, few enough that no sum
+// can leave int16 (|pair| <= 2 * max q * 127: 8 chunks of 4-bit, 4 of 5-bit, 2 of 6-bit), then widened by
+// madd. Q8_0's q + 128 would overflow: it runs as signed q (q ^ 0x80) times x with maddubs' sign trick
+// (|q| x sign(x, q), |pair| <= 2 * 128 * 127), the same sum as VNNI's (q + 128) x - 128 sum x. Integer sums
+// are exact in any order; the float operations per lane are those of block_vnni, in the same order.
+// Registers (16 ymm): one weight row at a time, its decoded chunk shared by the MR rows, each row's int16 and
+// int32 sums in registers (2 MR + 4 <= 14 for MR <= 5), the activations read from L1 as maddubs operands. The
+// weight row's lane scales are made here from its scale bytes, as used (no pass over the tile before).
+template <int MR, int KIND, int BK>
 __attribute__((target("avx2,fma,f16c"), always_inline))
-inline void block_avx2(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, float (&facc)[MR][NRS][LANES]) {
+inline void block_avx2(const TileArgs& t, int64_t m0, int64_t b, __m256 (&facc)[MR][NR][2]) {
   constexpr bool NIB = kFormats[KIND].nibbles;
   constexpr int SHIFT = kFormats[KIND].shift;
   constexpr int64_t CH = BK / 64, QB = NIB ? BK / 2 : BK;
@@ -559,85 +546,88 @@ inline void block_avx2(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, flo
   constexpr int64_t G16 = KIND == kQ8_0 ? 1 : (NIB ? 8 : (KIND == kQ6_K ? 2 : 4));
   constexpr int64_t G = G16 < CPH ? G16 : CPH;                  // chunks summed in int16
   const Acts& a = *t.a;
-  const uint8_t* qb = t.q + t.qo[b] + j0 * QB;
+  const int64_t k0 = t.bl->k0[b];
+  const uint8_t* qb = t.q + t.qo[b];
   if (t.pf)
     for (int64_t p = 0; p < NR * QB; p += 64) _mm_prefetch(reinterpret_cast<const char*>(t.pf + t.qo[b] + p), _MM_HINT_T1);
   const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sign = _mm256_set1_epi8(-128);
-  const int8_t* xb = a.q.data() + m0 * a.K + t.bl->k0[b];
-  for (int h = 0; h < HALVES; ++h)
-    for (int hf = 0; hf < 2; ++hf) {
-      __m256i acc[MR][NRS];
-      for (int i = 0; i < MR; ++i) {
-        const int32_t* ls = a.ls.data() + ((m0 + i) * a.nb + b) * 3 * LANES + (HALVES == 2 ? (1 + h) * LANES : 0) + 8 * hf;
-        __m256i init = _mm256_setzero_si256();
-        if constexpr (SHIFT >= 0 && KIND != kQ8_0)  // symmetric: start from -c * (the lane's activation sum)
-          init = _mm256_sub_epi32(init, _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ls)), SHIFT));
-        for (int j = 0; j < NRS; ++j) acc[i][j] = init;
-      }
-      for (int64_t c0 = h * CPH; c0 < (h + 1) * CPH; c0 += G) {
-        __m256i p[MR][NRS];
-        for (int64_t c = c0; c < c0 + G; c += (NIB ? 2 : 1)) {
-          __m256i x0[MR], x1[MR];
-          for (int i = 0; i < MR; ++i) {
-            const int8_t* xr = xb + i * a.K + c * 64 + 32 * hf;
-            x0[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
-            if constexpr (NIB) x1[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64));
-          }
-          for (int j = 0; j < NRS; ++j) {
+  const int8_t* xb = a.q.data() + m0 * a.K + k0;
+  for (int64_t j = 0; j < NR; ++j) {
+    alignas(32) float sv[LANES], mv[LANES];
+    lane_scales_avx2<KIND>(BK, k0, t.st + j * t.rsb, sv, mv);
+    const uint8_t* qj = qb + j * QB;
+    for (int hf = 0; hf < 2; ++hf)
+      for (int h = 0; h < HALVES; ++h) {
+        __m256i acc[MR];
+#pragma GCC unroll 8
+        for (int64_t c0 = h * CPH; c0 < (h + 1) * CPH; c0 += G) {
+          __m256i p[MR];
+#pragma GCC unroll 8
+          for (int64_t c = c0; c < c0 + G; c += (NIB ? 2 : 1)) {
             __m256i w0, w1;
             if constexpr (NIB) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + j * QB + c * 32 + 32 * hf));
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + c * 32 + 32 * hf));
               w0 = _mm256_and_si256(v, lo4);
               w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
             } else {
-              w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + j * QB + c * 64 + 32 * hf));
+              w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + c * 64 + 32 * hf));
+              if constexpr (KIND == kQ8_0) {
+                w0 = _mm256_xor_si256(w0, sign);
+                w1 = _mm256_abs_epi8(w0);
+              }
             }
             for (int i = 0; i < MR; ++i) {
+              const int8_t* xr = xb + i * a.K + c * 64 + 32 * hf;
+              const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr));
               __m256i d;
-              if constexpr (KIND == kQ8_0) {
-                const __m256i ws = _mm256_xor_si256(w0, sign);
-                d = _mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(x0[i], ws));
-              } else {
-                d = _mm256_maddubs_epi16(w0, x0[i]);
-              }
-              if constexpr (NIB) d = _mm256_add_epi16(d, _mm256_maddubs_epi16(w1, x1[i]));
-              p[i][j] = c == c0 ? d : _mm256_add_epi16(p[i][j], d);
+              if constexpr (KIND == kQ8_0) d = _mm256_maddubs_epi16(w1, _mm256_sign_epi8(x0, w0));
+              else d = _mm256_maddubs_epi16(w0, x0);
+              if constexpr (NIB)
+                d = _mm256_add_epi16(d, _mm256_maddubs_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 64))));
+              p[i] = c == c0 ? d : _mm256_add_epi16(p[i], d);
+              asm("" : "+x"(p[i]));  // one sum after the other: no tree of them for the registers to hold
             }
           }
+          for (int i = 0; i < MR; ++i) {
+            const __m256i s = _mm256_madd_epi16(p[i], ones);
+            acc[i] = c0 == h * CPH ? s : _mm256_add_epi32(acc[i], s);
+          }
         }
-        for (int i = 0; i < MR; ++i)
-          for (int j = 0; j < NRS; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(p[i][j], ones));
-      }
-      for (int i = 0; i < MR; ++i) {
-        const int64_t r = (m0 + i) * a.nb + b;
-        const __m256 sxb = _mm256_set1_ps(a.sx[r]);
-        __m256 lsf;
-        if constexpr (SHIFT < 0) lsf = _mm256_loadu_ps(a.lsf.data() + r * LANES + 8 * hf);
-        for (int j = 0; j < NRS; ++j) {
-          const int64_t sj = (b * NR + j0 + j) * LANES + 8 * hf;
-          const float* scale = (HALVES == 2 && h == 1) ? t.mv : t.sv;
-          __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i][j]), _mm256_loadu_ps(scale + sj));
-          if constexpr (SHIFT < 0) v = _mm256_fmadd_ps(_mm256_loadu_ps(t.mv + sj), lsf, v);
-          float* fp = facc[i][j] + 8 * hf;
-          _mm256_storeu_ps(fp, _mm256_fmadd_ps(v, sxb, _mm256_loadu_ps(fp)));
+        const __m256 scale = _mm256_load_ps((h == 1 ? mv : sv) + 8 * hf);
+        for (int i = 0; i < MR; ++i) {
+          const int64_t r = (m0 + i) * a.nb + b;
+          if constexpr (SHIFT >= 0 && KIND != kQ8_0) {  // symmetric: minus c * (the lane's activation sum)
+            const int32_t* ls = a.ls.data() + r * 3 * LANES + (HALVES == 2 ? (1 + h) * LANES : 0) + 8 * hf;
+            acc[i] = _mm256_sub_epi32(acc[i], _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ls)), SHIFT));
+          }
+          __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i]), scale);
+          if constexpr (SHIFT < 0) v = _mm256_fmadd_ps(_mm256_load_ps(mv + 8 * hf), _mm256_loadu_ps(a.lsf.data() + r * LANES + 8 * hf), v);
+          facc[i][j][hf] = _mm256_fmadd_ps(v, _mm256_set1_ps(a.sx[r]), facc[i][j][hf]);
         }
       }
-    }
+  }
 }
 
-// rows_vnni with AVX2
-template <int MR, int NRS, int KIND>
+// rows_vnni with AVX2, for all NR weight rows of the tile -> out[MR][NR]
+template <int MR, int KIND>
 __attribute__((target("avx2,fma,f16c")))
-static void rows_avx2(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
-  float facc[MR][NRS][LANES] = {};
+static void rows_avx2(const TileArgs& t, int64_t m0, int64_t, float* out) {
+  __m256 facc[MR][NR][2];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) facc[i][j][0] = facc[i][j][1] = _mm256_setzero_ps();
   const Blocks& bl = *t.bl;
   int64_t b = 0;
-  for (; b < bl.n512; ++b) block_avx2<MR, NRS, KIND, 512>(t, m0, j0, b, facc);
-  if (bl.tail256) block_avx2<MR, NRS, KIND, 256>(t, m0, j0, b++, facc);
+  for (; b < bl.n512; ++b) block_avx2<MR, KIND, 512>(t, m0, b, facc);
+  if (bl.tail256) block_avx2<MR, KIND, 256>(t, m0, b++, facc);
   if constexpr (!(KIND == kQ4_K || KIND == kQ5_K || KIND == kQ6_K))
-    if (bl.tail128) block_avx2<MR, NRS, KIND, 128>(t, m0, j0, b++, facc);
+    if (bl.tail128) block_avx2<MR, KIND, 128>(t, m0, b++, facc);
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NRS; ++j) out[i * NR + j0 + j] = reduce16(facc[i][j]);
+    for (int j = 0; j < NR; ++j) {  // reduce16's order: lanes l + (l + 8), then + 4, then (0 + 2) + (1 + 3)
+      const __m256 s8 = _mm256_add_ps(facc[i][j][0], facc[i][j][1]);
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      out[i * NR + j] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+    }
 }
 
 // The same arithmetic, one lane at a time (machines without AVX512-VNNI; tests force it).
@@ -678,22 +668,39 @@ static void rows_portable(int64_t kind, const TileArgs& t, int64_t m0, int64_t m
 
 using RowsFn = void (*)(const TileArgs&, int64_t, int64_t, float*);
 
-// the AVX512-VNNI or the AVX2 function for MR x NRS tiles of one GGUF kind
-template <int MR, int NRS, int KIND, bool INL>
-RowsFn rows_kind(bool avx2) {
-  if constexpr (INL) return rows_vnni<MR, NRS, KIND, true>;
-  else return avx2 ? rows_avx2<MR, NRS, KIND> : rows_vnni<MR, NRS, KIND>;
+// the AVX512-VNNI function for MR x NRS tiles of one GGUF kind
+template <int MR, int NRS, bool INL = false>
+RowsFn rows_for(int64_t kind) {
+  switch (kind) {
+    case kQ8_0: return rows_vnni<MR, NRS, kQ8_0, INL>;
+    case kQ4_0: return rows_vnni<MR, NRS, kQ4_0, INL>;
+    case kQ5_0: return rows_vnni<MR, NRS, kQ5_0, INL>;
+    case kQ4_K: return rows_vnni<MR, NRS, kQ4_K, INL>;
+    case kQ5_K: return rows_vnni<MR, NRS, kQ5_K, INL>;
+    default: return rows_vnni<MR, NRS, kQ6_K, INL>;
+  }
 }
 
-template <int MR, int NRS, bool INL = false>
-RowsFn rows_for(int64_t kind, bool avx2 = false) {
+// the AVX2 function for MR (1-5) rows x a whole tile of one GGUF kind
+template <int MR>
+RowsFn rows_avx2_kind(int64_t kind) {
   switch (kind) {
-    case kQ8_0: return rows_kind<MR, NRS, kQ8_0, INL>(avx2);
-    case kQ4_0: return rows_kind<MR, NRS, kQ4_0, INL>(avx2);
-    case kQ5_0: return rows_kind<MR, NRS, kQ5_0, INL>(avx2);
-    case kQ4_K: return rows_kind<MR, NRS, kQ4_K, INL>(avx2);
-    case kQ5_K: return rows_kind<MR, NRS, kQ5_K, INL>(avx2);
-    default: return rows_kind<MR, NRS, kQ6_K, INL>(avx2);
+    case kQ8_0: return rows_avx2<MR, kQ8_0>;
+    case kQ4_0: return rows_avx2<MR, kQ4_0>;
+    case kQ5_0: return rows_avx2<MR, kQ5_0>;
+    case kQ4_K: return rows_avx2<MR, kQ4_K>;
+    case kQ5_K: return rows_avx2<MR, kQ5_K>;
+    default: return rows_avx2<MR, kQ6_K>;
+  }
+}
+
+RowsFn rows_for_avx2(int64_t mr, int64_t kind) {
+  switch (mr) {
+    case 1: return rows_avx2_kind<1>(kind);
+    case 2: return rows_avx2_kind<2>(kind);
+    case 3: return rows_avx2_kind<3>(kind);
+    case 4: return rows_avx2_kind<4>(kind);
+    default: return rows_avx2_kind<5>(kind);
   }
 }
 
@@ -775,11 +782,12 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
         // first), M = 3 / 4 / 5 -15% / -9% / -3%, Q6_K 1536 x 8960 M = 1 / 2 -21% / -22% (once its two halves
         // shared the scales); a one-token forward -7%, four tokens -9%. For M = 6..16, two or more passes
         // making them each time gained nothing.
+        // The AVX2 rows functions always make their lane scales as they use them: on a Zen 3 the pass that stored
+        // them all here took 11% of a one-token forward.
         const bool inl = vec && m_hi - m_lo <= 5;
-        const ScalesFn fast = inl ? nullptr : vec ? scales_for(sg.kind) : (avx2 ? scales_for_avx2(sg.kind) : nullptr);
-        if (fast)
-          fast(bl, st, rsb, sv.data(), mv.data());
-        else if (!inl)
+        if (vec && !inl)
+          scales_for(sg.kind)(bl, st, rsb, sv.data(), mv.data());
+        else if (!vec && !avx2)
           for (int64_t b = 0; b < bl.count; ++b)
             for (int64_t j = 0; j < NR; ++j)
               lane_scales(sg.kind, bl.size[b], bl.k0[b], st + j * rsb, sv.data() + (b * NR + j) * LANES,
@@ -820,8 +828,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
             for (int64_t i = 0; i < mr; i += 2)
               (mr - i >= 2 ? rows_for<2, 4>(sg.kind) : rows_for<1, 4>(sg.kind))(i == 0 ? tm : tn, m + i, 0, dots.data() + i * NR);
           } else if (avx2) {
-            for (int64_t i = 0; i < mr; i += 2)
-              (mr - i >= 2 ? rows_for<2, 4>(sg.kind, true) : rows_for<1, 4>(sg.kind, true))(i == 0 ? tm : tn, m + i, 0, dots.data() + i * NR);
+            rows_for_avx2(mr, sg.kind)(tm, m, 0, dots.data());
           } else {
             rows_portable(sg.kind, ta, m, mr, dots.data());
           }
