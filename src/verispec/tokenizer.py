@@ -50,7 +50,7 @@ class Codec:
         if self.tok is None:
             raise VerispecError("this model has no tokenizer files: pass the prompt as token ids")
         if not getattr(self.tok, "chat_template", None):
-            raise VerispecError("--chat: this tokenizer has no chat template")
+            raise VerispecError("this tokenizer has no chat template (--chat and conversations need one)")
         ids = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 

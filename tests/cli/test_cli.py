@@ -316,7 +316,12 @@ def test_chat_without_template(capsys, bad_models, tmp_path):
     (path / "chat_template.jinja").unlink(missing_ok=True)
     rc, out, err = run_main(capsys, gen(str(path), "--chat", "--max-new-tokens", "2"))
     assert_one_error_line(rc, out, err)
-    assert "chat" in err
+    assert "chat template" in err
+    messages = tmp_path / "chat.json"
+    messages.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    rc, out, err = run_main(capsys, ["generate", "--messages", str(messages), "--target", str(path), "--dtype", "float32", "--max-new-tokens", "2"])
+    assert_one_error_line(rc, out, err)
+    assert "no chat template" in err and "--chat:" not in err  # a conversation, not --chat, needed it
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
