@@ -9,7 +9,8 @@ loaded model: the default 1.5B native target, or with --draft the 4-bit 0.5B dra
 128-token cache (200 for the draft). A round times 5 forwards of each size per tree. The report gives the
 median over rounds of each round's median, and says whether each tree's logits are bitwise those of the first.
 Rounds interleave the trees, so the VM's bandwidth swings hit them alike; between separate processes they
-would not.
+would not. A tree from before the 6-bit Q6_K layout (no gguf_layout() in its module) runs on a second copy
+of the target loaded with the byte layout it reads.
 """
 
 from __future__ import annotations
@@ -61,6 +62,27 @@ def parse(specs: list[str], flag: str, counts: str) -> tuple[list[tuple[str, Pat
     return trees, values
 
 
+def old_layout_target(llm, capacity: int):
+    """The default target loaded again with Q6_K a byte per q (GGUF layout 1), and an empty cache for it."""
+    import os
+
+    from verispec.models import gguf_native as gn
+    from verispec.models.kv_cache import KVCache
+    from verispec.models.loader import load
+
+    kinds, cache_flag = gn.KINDS, os.environ.get("VERISPEC_NATIVE_CACHE")
+    gn.KINDS, os.environ["VERISPEC_NATIVE_CACHE"] = {**kinds, "Q6_K": (5, 210, 256, 8)}, "0"
+    try:
+        model = load(llm.target.source, llm.dtype, "cpu", progress=False, weights="native").model
+    finally:
+        gn.KINDS = kinds
+        if cache_flag is None:
+            os.environ.pop("VERISPEC_NATIVE_CACHE")
+        else:
+            os.environ["VERISPEC_NATIVE_CACHE"] = cache_flag
+    return model, KVCache.for_model(model.config, 1, capacity, model.dtype)
+
+
 def main(argv=None) -> int:
     from verispec.cli import _Parser, run_tool
 
@@ -93,6 +115,10 @@ def report(args) -> None:
     cache = KVCache.for_model(model.config, 1, ctx + max(sizes), model.dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, ctx + max(sizes)), generator=torch.Generator().manual_seed(0))
     model(ids[:, :ctx], torch.arange(ctx)[None], cache, num_logits=1)
+    models = {kernels.GGUF_LAYOUT: (model, cache)}  # GGUF layout -> the model in it, its cache
+    layouts = {name: getattr(mod, "gguf_layout", lambda: 1)() for name, mod in mods.items()}
+    if not args.draft and 1 in layouts.values():
+        models[1] = old_layout_target(llm, ctx + max(sizes))
     quantized = [m for m in model.modules() if isinstance(m, Linear) and m.qop is not None]
     times = {(n, T): [] for n in mods for T in sizes}
     logits = {}
@@ -101,6 +127,9 @@ def report(args) -> None:
             kernels._C, kernels.ops = mod, getattr(torch.ops, name)
             for lin in quantized:  # ops bound at quantize time (the draft's LM head)
                 lin.qop = getattr(kernels.ops, lin.qop._qualified_op_name.split("::")[1])
+            model, cache = models[layouts[name]]
+            if cache.length < ctx:  # that model's first tree: its cache filled by a kernel that reads its layout
+                model(ids[:, :ctx], torch.arange(ctx)[None], cache, num_logits=1)
             for T in sizes:
                 pos, ts = torch.arange(ctx, ctx + T)[None], []
                 for _ in range(5):

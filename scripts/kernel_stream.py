@@ -9,7 +9,8 @@ Q4_K 17920 x 1536 (fused gate/up) and Q6_K 1536 x 8960 (down). --copies distinct
 so with the default 24 (~380 / 350 MB) every call reads its weights from DRAM, as a forward does; --copies 1
 keeps one matrix in the caches (compute-bound timing). A round times one pass over the copies per tree; the
 report gives the median over rounds of ms per matrix, and checks each tree's outputs bitwise against the
-first's. --isa avx2 forces every tree's AVX2 path (on an AVX512 machine).
+first's. --isa avx2 forces every tree's AVX2 path (on an AVX512 machine). A tree from before the 6-bit Q6_K
+layout (no gguf_layout() in its module) gets the same blocks in the byte layout it reads.
 """
 
 from __future__ import annotations
@@ -23,17 +24,26 @@ SHAPES = (("Q4_K", 17920, 1536), ("Q6_K", 1536, 8960))
 BLOCK = {"Q4_K": (144, 256, (0, 2)), "Q6_K": (210, 256, (208,))}  # bytes, weights, fp16 fields per block
 
 
-def random_weight(type_name: str, N: int, K: int, rng):
+def random_weight(type_name: str, N: int, K: int, rng, layouts=(2,)):
+    """-> {layout: NativeWeight}: the same random blocks laid out for each kernel layout in layouts (1: before
+    Q6_K was stored in 6 bits, for A/B against trees from before that change)."""
     import numpy as np
 
-    from verispec.models.gguf_native import NativePart, NativeWeight, decode
+    from verispec.models import gguf_native as gn
 
     nbytes, per, halves = BLOCK[type_name]
     raw = rng.integers(0, 256, size=(N, K // per, nbytes), dtype=np.uint8)
     for at in halves:  # finite scales: random fp16 bits would give infs and NaNs
         raw[..., at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    q, s = decode(raw.reshape(-1), type_name, N, K)
-    return NativeWeight.from_parts([NativePart(type_name, q, s)])
+    q, s = gn.decode(raw.reshape(-1), type_name, N, K)
+    out, kinds = {}, gn.KINDS
+    for layout in layouts:
+        gn.KINDS = {**kinds, "Q6_K": (5, 210, 256, 8)} if layout == 1 else kinds  # layout 1: a byte per q
+        try:
+            out[layout] = gn.NativeWeight.from_parts([gn.NativePart(type_name, q, s)])
+        finally:
+            gn.KINDS = kinds
+    return out
 
 
 def main(argv=None) -> int:
@@ -59,8 +69,11 @@ def report(args) -> None:
     trees, rows = parse(args.trees, "--rows", args.rows)
     if not all(1 <= M <= 4096 for M in rows) or args.rounds < 1 or args.copies < 1:
         raise VerispecError("--rows must lie in 1..4096, --rounds and --copies be >= 1")
+    layout = {}  # tree -> the GGUF block layout its kernel reads
     for name, path in trees:
-        build(name, path, Path(args.work)).set_isa(args.isa)
+        module = build(name, path, Path(args.work))
+        module.set_isa(args.isa)
+        layout[name] = getattr(module, "gguf_layout", lambda: 1)()
     ops = {name: getattr(torch.ops, name) for name, _ in trees}
     torch.set_num_threads(2)
     rng = np.random.default_rng(0)
@@ -69,7 +82,7 @@ def report(args) -> None:
     print("| matrix | M | " + " | ".join(ops) + " | outputs as the first tree's |")
     print("|---|---|" + "---|" * (len(ops) + 1))
     for type_name, N, K in SHAPES:
-        ws = [random_weight(type_name, N, K, rng) for _ in range(args.copies)]
+        ws = [random_weight(type_name, N, K, rng, sorted(set(layout.values()))) for _ in range(args.copies)]
         for M in rows:
             x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).bfloat16()
             times, outs = {n: [] for n in ops}, {}
@@ -77,7 +90,7 @@ def report(args) -> None:
                 for name, op in ops.items():
                     t0 = time.perf_counter()
                     for w in ws:
-                        outs[name] = op.linear_gguf(x, *w.tensors, None)
+                        outs[name] = op.linear_gguf(x, *w[layout[name]].tensors, None)
                     times[name].append((time.perf_counter() - t0) / len(ws) * 1e3)
             same = all(torch.equal(o.view(torch.int16), outs[first].view(torch.int16)) for o in outs.values())
             print(f"| {type_name} {N} x {K} | {M} | " + " | ".join(f"{statistics.median(v):.3f}" for v in times.values())

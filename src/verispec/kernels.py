@@ -11,9 +11,17 @@ import warnings
 
 import torch  # before the extension: it links against libtorch
 
+# The block layout linear_gguf.cpp reads (kGgufLayout in csrc/kernels.h; models/gguf_native.py writes it). 2:
+# Q6_K in 6 bits. An extension built from an older source (an editable install updated without a rebuild)
+# would read the new blocks wrongly: it is not used.
+GGUF_LAYOUT = 2
+
 try:
     from . import _C
 except ImportError:  # pragma: no cover - depends on the install
+    _C = None
+_STALE = _C is not None and getattr(_C, "gguf_layout", lambda: 1)() != GGUF_LAYOUT
+if _STALE:  # pragma: no cover - depends on the install
     _C = None
 
 ops = torch.ops.verispec  # linear_int8, linear_q4 (registered by _C)
@@ -31,7 +39,8 @@ def warn_missing(what: str) -> None:
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn(f"verispec's C++ kernels are not built, so {what}; reinstall with "
+        state = "were built from an older source" if _STALE else "are not built"
+        warnings.warn(f"verispec's C++ kernels {state}, so {what}; reinstall with "
                       "`pip install --no-build-isolation -e .` (see README)", RuntimeWarning, stacklevel=3)
 
 

@@ -827,16 +827,21 @@ def test_named_model_native_reads_its_gguf_file(ggufs, monkeypatch, tmp_path):
 
 def test_native_load_cache(ggufs, monkeypatch, tmp_path):
     """A native load keeps the re-laid-out blocks in $VERISPEC_CACHE/native: the next load reads them back
-    (without parsing the GGUF file) and computes the same logits; a damaged entry is rebuilt."""
+    (without parsing the GGUF file) and computes the same logits; a damaged entry is rebuilt; an entry of an
+    older layout is neither read nor kept."""
     from verispec.models import gguf as gguf_mod
     from verispec.models.loader import native_cache_dir
 
     monkeypatch.setenv("VERISPEC_NATIVE_CACHE", "1")
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     path = ggufs["qwen2"][0]
-    first = load(str(path), torch.bfloat16, "cpu", progress=False, weights="native")
     cache = native_cache_dir(path, torch.bfloat16)
+    stale = cache.parent / cache.name.rsplit("-l", 1)[0]  # the same file in the layout before versions
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"blocks of another layout")
+    first = load(str(path), torch.bfloat16, "cpu", progress=False, weights="native")
     assert (cache / "model.safetensors").is_file()
+    assert not stale.exists()  # not read, and removed once the new entry is written
     real = gguf_mod.GGUFFile
     monkeypatch.setattr(gguf_mod, "GGUFFile", lambda *a, **k: pytest.fail("the cached load parsed the GGUF file"))
     second = load(str(path), torch.bfloat16, "cpu", progress=False, weights="native")

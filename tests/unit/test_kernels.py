@@ -139,6 +139,14 @@ def test_forcing_an_unknown_isa_is_refused():
     assert kernels.cpu_isas()[-1] == "portable" and kernels.isa().endswith(kernels.cpu_isas()[0])
 
 
+def test_the_built_kernels_read_the_layout_the_loader_writes():
+    """kGgufLayout (csrc) == kernels.GGUF_LAYOUT == what models/gguf_native.py writes and keys its cache by: a
+    layout change must change all three, and an extension built before it is refused (kernels._STALE)."""
+    from verispec.models import gguf_native
+
+    assert kernels._C.gguf_layout() == kernels.GGUF_LAYOUT == gguf_native.LAYOUT and not kernels._STALE
+
+
 def test_zero_rows_and_leading_dims():
     w = torch.randn(8, 64)
     packed = pack_int8(w)

@@ -7,6 +7,7 @@
 
 namespace verispec {
 
+constexpr int64_t kGgufLayout = 2;  // how linear_gguf.cpp wants GGUF blocks laid out (GGUF_LAYOUT in kernels.py)
 constexpr int64_t kMaxRows = 16;  // decode (1 row) and verify (k + 1 rows) calls
 constexpr int64_t kChunk = 64;    // k elements per packed chunk, in both weight formats
 

@@ -9,7 +9,7 @@
 //   Q8_0  8 (byte, q + 128)   32     d              -128 s               d (fp16) per group
 //   Q4_0  4 (nibble)          32     d              -8 s                 d per group
 //   Q5_0  5 (byte)            32     d              -16 s                d per group
-//   Q6_K  6 (byte)            16     d * sc (int8)  -32 s                per 256: d, sc[16]
+//   Q6_K  6 (4 + 2 bits)      16     d * sc (int8)  -32 s                per 256: d, sc[16]
 //   Q4_K  4 (nibble)          32     d * sc (6-bit) -dmin * mn (6-bit)   per 256: d, dmin, sc[8], mn[8]
 //   Q5_K  5 (byte)            32     d * sc         -dmin * mn           as Q4_K
 //
@@ -19,7 +19,10 @@
 // each lane the dot product of one group of 32 (or a part of one): the scales are applied once per block,
 // one multiply per 16 lanes, not once per 4 products. (Q6_K's groups of 16: two halves per 512-block.)
 // Activations get the same k order.
-//   q: per tile of NR rows, block after block: [NR][B or B/2] bytes (nibbles: low = chunk 2v, high = 2v + 1);
+//   q: per tile of NR rows, block after block: [NR][B, B/2 or 3B/4] bytes (nibbles: low = chunk 2v, high =
+//      2v + 1; 6 bits: the low 4 as nibbles, then B/4 bytes of top 2 bits, chunk 4u + i's in bits 2i, 2i + 1 of
+//      the u-th 64 bytes: 6 bits a weight, where one byte a weight made a one-token forward read 1.10 GB a
+//      token instead of llama.cpp's ~0.98);
 //   s: per tile [NR][the row's scale bytes, in k order, as in the table].
 // A matrix may be several such segments stacked along N (fused q/k/v and gate/up projections whose parts
 // came in different types): one call computes them all. meta rows: kind, rows, tiles, q offset, s offset, K.
@@ -54,13 +57,16 @@ constexpr int64_t PF_TILES = 2;  // software prefetch distance, in tiles
 enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ5_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5, kKinds = 6 };
 
 struct Format {
-  bool nibbles;
-  int shift;  // log2 c for the symmetric types, -1: per-group mins (Q4_K, Q5_K)
+  bool nibbles;  // q in 4 bits: chunks 2v and 2v + 1 in the low and high nibbles of one 64-byte chunk
+  int shift;     // log2 c for the symmetric types, -1: per-group mins (Q4_K, Q5_K)
+  bool bits6;    // q in 6 bits: its low 4 as nibbles (B/2 bytes), then its top 2 (B/4 bytes: chunk 4u + i in
+                 // bits 2i, 2i + 1 of chunk u's bytes), 3/4 of a byte a weight
 };
-constexpr Format kFormats[kKinds] = {{false, 7}, {true, 3}, {false, 4}, {true, -1}, {false, -1}, {false, 5}};
+constexpr Format kFormats[kKinds] = {{false, 7, false}, {true, 3, false}, {false, 4, false},
+                                     {true, -1, false}, {false, -1, false}, {false, 5, true}};
 
 inline bool k_quant(int64_t kind) { return kind == kQ4_K || kind == kQ5_K || kind == kQ6_K; }
-inline int64_t q_bytes(int64_t kind, int64_t B) { return kFormats[kind].nibbles ? B / 2 : B; }
+inline int64_t q_bytes(int64_t kind, int64_t B) { return kFormats[kind].nibbles ? B / 2 : kFormats[kind].bits6 ? B / 4 * 3 : B; }
 inline int64_t row_scale_bytes(int64_t kind, int64_t K) {  // per row, in k order
   switch (kind) {
     case kQ4_K: case kQ5_K: return K / 256 * 20;
@@ -419,6 +425,23 @@ inline void epilogue(const Acts& a, int64_t r, __m512i acc, __m512 scale, __m512
   facc = _mm512_fmadd_ps(v, _mm512_set1_ps(a.sx[r]), facc);
 }
 
+// Chunk c of a weight row's block (qj) as one q per byte: the bytes themselves, or with SIX (6 bits) its
+// nibble and its top 2 bits put together.
+template <bool SIX, int64_t BK>
+__attribute__((target("avx512f,avx512bw"), always_inline))
+inline __m512i chunk_q(const uint8_t* qj, int64_t c) {
+  if constexpr (SIX) {
+    const __m512i nib = _mm512_loadu_si512(qj + (c / 2) * 64);
+    const __m512i hb = _mm512_loadu_si512(qj + BK / 2 + (c / 4) * 64);
+    const __m512i lo = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(nib, 4) : nib, _mm512_set1_epi8(0x0f));
+    const __m512i hi = c % 4 == 0 ? _mm512_slli_epi16(hb, 4) : c % 4 == 1 ? _mm512_slli_epi16(hb, 2)
+                       : c % 4 == 2 ? hb : _mm512_srli_epi16(hb, 2);  // chunk c's top 2 bits at bits 4, 5
+    return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x30), 0xF8);  // lo | (hi & 0x30)
+  } else {
+    return _mm512_loadu_si512(qj + c * 64);
+  }
+}
+
 // One block of BK for MR activation rows x NRS weight rows (rows j0 .. of the tile), into facc.
 // INL: the lane scales made here from the scale bytes, as used (one pass over the tile: M <= 5), not read
 // back from the tile's [nb][NR][16] arrays; the same values either way. Q6_K's two halves of a 512-block
@@ -426,9 +449,9 @@ inline void epilogue(const Acts& a, int64_t r, __m512i acc, __m512 scale, __m512
 template <int MR, int NRS, int KIND, int BK, bool INL>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c"), always_inline))
 inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m512 (&facc)[MR][NRS]) {
-  constexpr bool NIB = kFormats[KIND].nibbles;
+  constexpr bool NIB = kFormats[KIND].nibbles, SIX = kFormats[KIND].bits6;
   constexpr int SHIFT = kFormats[KIND].shift;
-  constexpr int64_t CH = BK / 64, QB = NIB ? BK / 2 : BK;
+  constexpr int64_t CH = BK / 64, QB = NIB ? BK / 2 : SIX ? BK / 4 * 3 : BK;
   constexpr int HALVES = (KIND == kQ6_K && BK == 512) ? 2 : 1;  // epilogues per block
   constexpr int64_t CPH = CH / HALVES;                          // chunks per epilogue
   const Acts& a = *t.a;
@@ -457,9 +480,8 @@ inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m
     for (int64_t c = h * CPH; c < (h + 1) * CPH; c += (NIB ? 2 : U)) {
       if constexpr (U == 2) {
         for (int j = 0; j < NRS; ++j) {
-          acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], _mm512_loadu_si512(qb + j * QB + c * 64), _mm512_loadu_si512(xb + c * 64));
-          acc2[0][j] = _mm512_dpbusd_epi32(acc2[0][j], _mm512_loadu_si512(qb + j * QB + c * 64 + 64),
-                                           _mm512_loadu_si512(xb + c * 64 + 64));
+          acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], chunk_q<SIX, BK>(qb + j * QB, c), _mm512_loadu_si512(xb + c * 64));
+          acc2[0][j] = _mm512_dpbusd_epi32(acc2[0][j], chunk_q<SIX, BK>(qb + j * QB, c + 1), _mm512_loadu_si512(xb + c * 64 + 64));
         }
         continue;
       }
@@ -470,7 +492,7 @@ inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m
           w0[j] = _mm512_and_si512(v, lo4);
           w1[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         } else {
-          w0[j] = _mm512_loadu_si512(qb + j * QB + c * 64);
+          w0[j] = chunk_q<SIX, BK>(qb + j * QB, c);
         }
       }
       for (int i = 0; i < MR; ++i) {
@@ -538,9 +560,9 @@ static void rows_vnni(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
 template <int MR, int KIND, int BK>
 __attribute__((target("avx2,fma,f16c"), always_inline))
 inline void block_avx2(const TileArgs& t, int64_t m0, int64_t b, __m256 (&facc)[MR][NR][2]) {
-  constexpr bool NIB = kFormats[KIND].nibbles;
+  constexpr bool NIB = kFormats[KIND].nibbles, SIX = kFormats[KIND].bits6;
   constexpr int SHIFT = kFormats[KIND].shift;
-  constexpr int64_t CH = BK / 64, QB = NIB ? BK / 2 : BK;
+  constexpr int64_t CH = BK / 64, QB = NIB ? BK / 2 : SIX ? BK / 4 * 3 : BK;
   constexpr int HALVES = (KIND == kQ6_K && BK == 512) ? 2 : 1;  // epilogues per block
   constexpr int64_t CPH = CH / HALVES;                          // chunks per epilogue
   constexpr int64_t G16 = KIND == kQ8_0 ? 1 : (NIB ? 8 : (KIND == kQ6_K ? 2 : 4));
@@ -551,6 +573,7 @@ inline void block_avx2(const TileArgs& t, int64_t m0, int64_t b, __m256 (&facc)[
   if (t.pf)
     for (int64_t p = 0; p < NR * QB; p += 64) _mm_prefetch(reinterpret_cast<const char*>(t.pf + t.qo[b] + p), _MM_HINT_T1);
   const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sign = _mm256_set1_epi8(-128);
+  const __m256i top2 = _mm256_set1_epi8(0x30);
   const int8_t* xb = a.q.data() + m0 * a.K + k0;
   for (int64_t j = 0; j < NR; ++j) {
     alignas(32) float sv[LANES], mv[LANES];
@@ -569,6 +592,12 @@ inline void block_avx2(const TileArgs& t, int64_t m0, int64_t b, __m256 (&facc)[
               const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + c * 32 + 32 * hf));
               w0 = _mm256_and_si256(v, lo4);
               w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
+            } else if constexpr (SIX) {  // as chunk_q, on bytes 32 hf .. 32 hf + 31 of the chunk
+              const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + (c / 2) * 64 + 32 * hf));
+              const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + BK / 2 + (c / 4) * 64 + 32 * hf));
+              const __m256i hi = c % 4 == 0 ? _mm256_slli_epi16(hb, 4) : c % 4 == 1 ? _mm256_slli_epi16(hb, 2)
+                                 : c % 4 == 2 ? hb : _mm256_srli_epi16(hb, 2);
+              w0 = _mm256_or_si256(_mm256_and_si256(c % 2 ? _mm256_srli_epi16(nib, 4) : nib, lo4), _mm256_and_si256(hi, top2));
             } else {
               w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + c * 64 + 32 * hf));
               if constexpr (KIND == kQ8_0) {
@@ -652,7 +681,10 @@ static void rows_portable(int64_t kind, const TileArgs& t, int64_t m0, int64_t m
             for (int64_t c = h * cph; c < (h + 1) * cph; ++c)
               for (int64_t e = 0; e < 4; ++e) {
                 const int64_t byte = c * 64 + l * 4 + e;  // chunk c, lane l
-                const int32_t w = f.nibbles ? (qr[(c / 2) * 64 + l * 4 + e] >> (4 * (c % 2))) & 0x0f : qr[byte];
+                const int32_t lo = (qr[(c / 2) * 64 + l * 4 + e] >> (4 * (c % 2))) & 0x0f;
+                const int32_t w = f.nibbles ? lo
+                                  : f.bits6 ? lo | (((qr[B / 2 + (c / 4) * 64 + l * 4 + e] >> (2 * (c % 4))) & 3) << 4)
+                                            : qr[byte];
                 acc += w * static_cast<int32_t>(xr[byte]);
               }
             const int64_t sj = (b * NR + j) * LANES + l;

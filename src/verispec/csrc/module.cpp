@@ -69,6 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer_quantized", &verispec::decoder_layer_quantized,
         "one decoder layer for <= 16 new tokens of one sequence, int8 matrices (see decoder_layer.cpp)");
   m.def("isa", &verispec::isa_name, "the instruction sets the kernels use now");
+  m.def("gguf_layout", []() { return verispec::kGgufLayout; }, "the GGUF block layout linear_gguf expects");
   m.def("cpu_isas", &verispec::cpu_isas, "the kernel paths this CPU can run, fastest first");
   m.def("set_isa", &verispec::set_isa, "'avx2' or 'portable' forces those paths (tests); 'auto' undoes it");
 }

@@ -18,17 +18,21 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import kernels
+
 NR = 4  # weight rows per tile (csrc/linear_gguf.cpp)
+LAYOUT = kernels.GGUF_LAYOUT  # version of the layout written here (a cached load of another is rebuilt)
 LANES = 16
 
-# GGML type name -> (kernel kind, bytes per GGUF block, weights per GGUF block, nibble storage)
+# GGML type name -> (kernel kind, bytes per GGUF block, weights per GGUF block, bits stored per q: 4 (nibbles),
+# 6 (nibbles, then the top 2 bits) or 8 (bytes))
 KINDS = {
-    "Q8_0": (0, 34, 32, False),
-    "Q4_0": (1, 18, 32, True),
-    "Q5_0": (2, 22, 32, False),
-    "Q4_K": (3, 144, 256, True),
-    "Q5_K": (4, 176, 256, False),
-    "Q6_K": (5, 210, 256, False),
+    "Q8_0": (0, 34, 32, 8),
+    "Q4_0": (1, 18, 32, 4),
+    "Q5_0": (2, 22, 32, 8),
+    "Q4_K": (3, 144, 256, 4),
+    "Q5_K": (4, 176, 256, 8),
+    "Q6_K": (5, 210, 256, 6),
 }
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
 SYMMETRIC_SHIFT = {"Q8_0": 128, "Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # w = s * (q - c)
@@ -123,18 +127,25 @@ def dequantize(q: np.ndarray, scales: np.ndarray, type_name: str) -> np.ndarray:
     return w.reshape(N, K)
 
 
-def _lane_order(q: np.ndarray, nibbles: bool) -> np.ndarray:
-    """[N, K] -> [N, K'] (K' = K or K/2) block after block: in a block of B, chunk c lane l byte j <- k =
-    (B/16) l + 4c + j; with nibbles, chunk 2v in the low and 2v + 1 in the high half of each byte."""
+def _lane_order(q: np.ndarray, bits: int) -> np.ndarray:
+    """[N, K] -> [N, K * bits / 8] block after block: in a block of B, chunk c lane l byte j <- k = (B/16) l +
+    4c + j; 4 bits: chunk 2v in the low and 2v + 1 in the high half of each byte; 6 bits: the low 4 bits so
+    (B/2 bytes), then the top 2 bits, chunk 4u + i's in bits 2i, 2i + 1 of the u-th 64 bytes (B/4 bytes)."""
     N, K = q.shape
     out = []
     for k0, B in blocks(K):
         C = B // 64
-        x = q[:, k0:k0 + B].reshape(N, LANES, C, 4).transpose(0, 2, 1, 3)  # [N, C, 16, 4]
-        if nibbles:
+        x = q[:, k0:k0 + B].reshape(N, LANES, C, 4).transpose(0, 2, 1, 3).reshape(N, C, 64)  # [N, C, 64]
+        if bits == 6:
+            top = (x >> 4).reshape(N, C // 4, 4, 64)
+            top = top[:, :, 0] | (top[:, :, 1] << 2) | (top[:, :, 2] << 4) | (top[:, :, 3] << 6)  # [N, C/4, 64]
+            x = x & 0x0F
+        if bits in (4, 6):
             x = x.reshape(N, C // 2, 2, 64)
             x = x[:, :, 0] | (x[:, :, 1] << 4)
         out.append(x.reshape(N, -1))
+        if bits == 6:
+            out.append(top.reshape(N, -1))
     return np.concatenate(out, axis=1)
 
 
@@ -161,11 +172,11 @@ def pack(q: np.ndarray, scales: np.ndarray, type_name: str) -> Segment:
     if not supported(type_name, K):
         raise ValueError(f"no native kernel for a {type_name} matrix with K = {K} (K-quants need K % 256 == 0, "
                          "the others K % 128 == 0)")
-    nib = KINDS[type_name][3]
-    lanes = _tiles(_lane_order(q, nib))  # [tiles, NR, K']
+    bits = KINDS[type_name][3]
+    lanes = _tiles(_lane_order(q, bits))  # [tiles, NR, K * bits / 8]
     parts, at = [], 0
     for _, B in blocks(K):  # per block: its NR rows together
-        width = B // 2 if nib else B
+        width = B * bits // 8
         parts.append(lanes[:, :, at:at + width].reshape(lanes.shape[0], -1))
         at += width
     qt = np.ascontiguousarray(np.concatenate(parts, axis=1))

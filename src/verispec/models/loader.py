@@ -228,13 +228,15 @@ DONE = "verispec-native.json"
 def native_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
     """Where a native load of ``path`` keeps its re-laid-out blocks (parsing and re-ordering a 1.5B GGUF
     takes ~18 s on a 2-core Zen 1, with the tokenizer already converted; reading them back ~1 s). Keyed by
-    the file's name, size and mtime and the dtype of the other tensors. VERISPEC_NATIVE_CACHE=0 turns it off."""
+    the file's name, size and mtime, the dtype of the other tensors and the kernel's layout version (a cache of
+    an older layout is not read). VERISPEC_NATIVE_CACHE=0 turns it off."""
+    from .gguf_native import LAYOUT
     from .registry import cache_dir
 
     if not env_flag("VERISPEC_NATIVE_CACHE"):
         return None
     st = path.stat()
-    return cache_dir() / "native" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-{str(dtype).split('.')[-1]}"
+    return cache_dir() / "native" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-{str(dtype).split('.')[-1]}-l{LAYOUT}"
 
 
 def _save_native_cache(cache: Path, raw_config: dict, model: Transformer, tokenizer) -> None:
@@ -257,6 +259,10 @@ def _save_native_cache(cache: Path, raw_config: dict, model: Transformer, tokeni
         (tmp / DONE).write_text(json.dumps({"format": 1}))
         shutil.rmtree(cache, ignore_errors=True)
         tmp.replace(cache)
+        stem = cache.name.rsplit("-l", 1)[0]  # the same file and dtype in an older layout: no longer read
+        for old in cache.parent.glob(stem + "*"):
+            if old.name != cache.name and not old.name.endswith(".tmp") and old.name.rsplit("-l", 1)[0] == stem:
+                shutil.rmtree(old, ignore_errors=True)
     except OSError:  # a read-only or full cache only costs the next load its speed
         shutil.rmtree(tmp, ignore_errors=True)
 
