@@ -15,6 +15,7 @@ of the target loaded with the byte layout it reads.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import sys
 import time
@@ -62,20 +63,33 @@ def parse(specs: list[str], flag: str, counts: str) -> tuple[list[tuple[str, Pat
     return trees, values
 
 
+@contextlib.contextmanager
+def byte_layout():
+    """models/gguf_native.py packs in GGUF layout 1 meanwhile (Q6_K a byte per q, as the kernels read it before
+    the 6-bit layout), for trees from before that change."""
+    from verispec.models import gguf_native as gn
+
+    kinds = gn.KINDS
+    gn.KINDS = {**kinds, "Q6_K": (5, 210, 256, 8)}
+    try:
+        yield
+    finally:
+        gn.KINDS = kinds
+
+
 def old_layout_target(llm, capacity: int):
-    """The default target loaded again with Q6_K a byte per q (GGUF layout 1), and an empty cache for it."""
+    """The default target loaded again in GGUF layout 1 (not from the native cache), and an empty cache for it."""
     import os
 
-    from verispec.models import gguf_native as gn
     from verispec.models.kv_cache import KVCache
     from verispec.models.loader import load
 
-    kinds, cache_flag = gn.KINDS, os.environ.get("VERISPEC_NATIVE_CACHE")
-    gn.KINDS, os.environ["VERISPEC_NATIVE_CACHE"] = {**kinds, "Q6_K": (5, 210, 256, 8)}, "0"
+    cache_flag = os.environ.get("VERISPEC_NATIVE_CACHE")
+    os.environ["VERISPEC_NATIVE_CACHE"] = "0"
     try:
-        model = load(llm.target.source, llm.dtype, "cpu", progress=False, weights="native").model
+        with byte_layout():
+            model = load(llm.target.source, llm.dtype, "cpu", progress=False, weights="native").model
     finally:
-        gn.KINDS = kinds
         if cache_flag is None:
             os.environ.pop("VERISPEC_NATIVE_CACHE")
         else:

@@ -27,8 +27,11 @@ BLOCK = {"Q4_K": (144, 256, (0, 2)), "Q6_K": (210, 256, (208,))}  # bytes, weigh
 def random_weight(type_name: str, N: int, K: int, rng, layouts=(2,)):
     """-> {layout: NativeWeight}: the same random blocks laid out for each kernel layout in layouts (1: before
     Q6_K was stored in 6 bits, for A/B against trees from before that change)."""
+    import contextlib
+
     import numpy as np
 
+    from kernel_ab import byte_layout
     from verispec.models import gguf_native as gn
 
     nbytes, per, halves = BLOCK[type_name]
@@ -36,13 +39,10 @@ def random_weight(type_name: str, N: int, K: int, rng, layouts=(2,)):
     for at in halves:  # finite scales: random fp16 bits would give infs and NaNs
         raw[..., at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     q, s = gn.decode(raw.reshape(-1), type_name, N, K)
-    out, kinds = {}, gn.KINDS
+    out = {}
     for layout in layouts:
-        gn.KINDS = {**kinds, "Q6_K": (5, 210, 256, 8)} if layout == 1 else kinds  # layout 1: a byte per q
-        try:
+        with byte_layout() if layout == 1 else contextlib.nullcontext():
             out[layout] = gn.NativeWeight.from_parts([gn.NativePart(type_name, q, s)])
-        finally:
-            gn.KINDS = kinds
     return out
 
 
