@@ -147,6 +147,31 @@ def test_the_built_kernels_read_the_layout_the_loader_writes():
     assert kernels._C.gguf_layout() == kernels.GGUF_LAYOUT == gguf_native.LAYOUT and not kernels._STALE
 
 
+def test_an_extension_built_from_an_older_source_is_not_used(monkeypatch):
+    """An editable install updated without a rebuild keeps an extension that reads another GGUF block layout:
+    kernels treats it as absent (GGUF models load dequantized, drafts stay bf16) and says to rebuild, instead
+    of running kernels that would read the new blocks wrongly. Negative control: the current build is used."""
+    import importlib
+    import sys
+    import types
+
+    import verispec
+    from verispec.models import linear
+
+    stale = types.ModuleType("verispec._C")  # an extension from before kernels reported their layout
+    monkeypatch.setitem(sys.modules, "verispec._C", stale)
+    monkeypatch.setattr(verispec, "_C", stale)
+    try:
+        importlib.reload(kernels)
+        assert kernels._STALE and not kernels.available()
+        with pytest.warns(RuntimeWarning, match="built from an older source.*GGUF models load dequantized"):
+            assert not linear.can_run_native(torch.device("cpu"), torch.bfloat16)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(kernels)
+    assert not kernels._STALE and kernels.available()
+
+
 def test_zero_rows_and_leading_dims():
     w = torch.randn(8, 64)
     packed = pack_int8(w)
