@@ -17,6 +17,7 @@ wrong order, llama Q/K rows left permuted) must fail the loader checks.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -830,13 +831,15 @@ def test_native_load_cache(ggufs, monkeypatch, tmp_path):
     (without parsing the GGUF file) and computes the same logits; a damaged entry is rebuilt; an entry of an
     older layout is neither read nor kept."""
     from verispec.models import gguf as gguf_mod
+    from verispec.models.gguf_native import LAYOUT
     from verispec.models.loader import native_cache_dir
 
     monkeypatch.setenv("VERISPEC_NATIVE_CACHE", "1")
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
-    path = ggufs["qwen2"][0]
+    path = tmp_path / "tiny-llama-l1.gguf"  # "-l" in the name: not to be mistaken for a layout suffix
+    shutil.copyfile(ggufs["qwen2"][0], path)
     cache = native_cache_dir(path, torch.bfloat16)
-    stale = cache.parent / cache.name.rsplit("-l", 1)[0]  # the same file in the layout before versions
+    stale = cache.with_name(cache.name.removesuffix(f"-l{LAYOUT}"))  # the same file in the layout before versions
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"blocks of another layout")
     first = load(str(path), torch.bfloat16, "cpu", progress=False, weights="native")

@@ -66,7 +66,8 @@ constexpr Format kFormats[kKinds] = {{false, 7, false}, {true, 3, false}, {false
                                      {true, -1, false}, {false, -1, false}, {false, 5, true}};
 
 inline bool k_quant(int64_t kind) { return kind == kQ4_K || kind == kQ5_K || kind == kQ6_K; }
-inline int64_t q_bytes(int64_t kind, int64_t B) { return kFormats[kind].nibbles ? B / 2 : kFormats[kind].bits6 ? B / 4 * 3 : B; }
+// q bytes of one weight row's block of B
+constexpr int64_t q_bytes(int64_t kind, int64_t B) { return kFormats[kind].nibbles ? B / 2 : kFormats[kind].bits6 ? B / 4 * 3 : B; }
 inline int64_t row_scale_bytes(int64_t kind, int64_t K) {  // per row, in k order
   switch (kind) {
     case kQ4_K: case kQ5_K: return K / 256 * 20;
@@ -451,7 +452,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c"), alw
 inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m512 (&facc)[MR][NRS]) {
   constexpr bool NIB = kFormats[KIND].nibbles, SIX = kFormats[KIND].bits6;
   constexpr int SHIFT = kFormats[KIND].shift;
-  constexpr int64_t CH = BK / 64, QB = NIB ? BK / 2 : SIX ? BK / 4 * 3 : BK;
+  constexpr int64_t CH = BK / 64, QB = q_bytes(KIND, BK);
   constexpr int HALVES = (KIND == kQ6_K && BK == 512) ? 2 : 1;  // epilogues per block
   constexpr int64_t CPH = CH / HALVES;                          // chunks per epilogue
   const Acts& a = *t.a;
@@ -562,7 +563,7 @@ __attribute__((target("avx2,fma,f16c"), always_inline))
 inline void block_avx2(const TileArgs& t, int64_t m0, int64_t b, __m256 (&facc)[MR][NR][2]) {
   constexpr bool NIB = kFormats[KIND].nibbles, SIX = kFormats[KIND].bits6;
   constexpr int SHIFT = kFormats[KIND].shift;
-  constexpr int64_t CH = BK / 64, QB = NIB ? BK / 2 : SIX ? BK / 4 * 3 : BK;
+  constexpr int64_t CH = BK / 64, QB = q_bytes(KIND, BK);
   constexpr int HALVES = (KIND == kQ6_K && BK == 512) ? 2 : 1;  // epilogues per block
   constexpr int64_t CPH = CH / HALVES;                          // chunks per epilogue
   constexpr int64_t G16 = KIND == kQ8_0 ? 1 : (NIB ? 8 : (KIND == kQ6_K ? 2 : 4));

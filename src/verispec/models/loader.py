@@ -239,6 +239,14 @@ def native_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
     return cache_dir() / "native" / f"{path.stem}-{st.st_size}-{st.st_mtime_ns}-{str(dtype).split('.')[-1]}-l{LAYOUT}"
 
 
+def _older_layouts(cache: Path) -> list[Path]:
+    """native_cache_dir's entries for the same file and dtype in older layouts (layout 1 had no suffix)."""
+    from .gguf_native import LAYOUT
+
+    key = cache.name.removesuffix(f"-l{LAYOUT}")
+    return [cache.with_name(key)] + [cache.with_name(f"{key}-l{n}") for n in range(2, LAYOUT)]
+
+
 def _save_native_cache(cache: Path, raw_config: dict, model: Transformer, tokenizer) -> None:
     from safetensors.torch import save_file
 
@@ -259,10 +267,8 @@ def _save_native_cache(cache: Path, raw_config: dict, model: Transformer, tokeni
         (tmp / DONE).write_text(json.dumps({"format": 1}))
         shutil.rmtree(cache, ignore_errors=True)
         tmp.replace(cache)
-        stem = cache.name.rsplit("-l", 1)[0]  # the same file and dtype in an older layout: no longer read
-        for old in cache.parent.glob(stem + "*"):
-            if old.name != cache.name and not old.name.endswith(".tmp") and old.name.rsplit("-l", 1)[0] == stem:
-                shutil.rmtree(old, ignore_errors=True)
+        for old in _older_layouts(cache):  # the same file and dtype in an older layout: no longer read
+            shutil.rmtree(old, ignore_errors=True)
     except OSError:  # a read-only or full cache only costs the next load its speed
         shutil.rmtree(tmp, ignore_errors=True)
 
