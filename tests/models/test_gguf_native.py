@@ -793,6 +793,34 @@ def test_fused_native_layer_matches_the_python_layer(loaded):
     assert rel(outs[True], outs[False]) < 1e-3  # measured: 0.0 (bitwise equal)
 
 
+def test_fused_native_layer_is_bitwise_the_same_on_every_path(loaded):
+    """The fused layer's attention has an AVX512 path (attend_avx512: 16 keys' scores reduced side by side) next
+    to plain loops cloned per ISA; native matrices give the same bits on every path, so the logits must too.
+    Contexts of 21-45 tokens: whole blocks of 16 keys and the keys after them. A wrong key order in the blocks
+    fails here; a one-rounding difference in a score mostly does not survive the bf16 rounding of the attention
+    output (an FMA in place of attend's multiply-then-add passed), so that part rests on attend_avx512 doing
+    lane_reduce's operations in lane_reduce's order."""
+    if "avx512-vnni" not in kernels.cpu_isas():
+        pytest.skip(f"no AVX512 path on this CPU ({kernels.cpu_isas()})")
+    model = loaded("qwen2", "native", torch.bfloat16).model
+    assert model.fused_quantized and model.config.head_dim % 16 == 0
+    ids = torch.randint(0, 256, (1, 45), generator=torch.Generator().manual_seed(6))
+
+    def run():
+        cache = KVCache.for_model(model.config, 1, 45, torch.bfloat16)
+        model(ids[:, :20], torch.arange(20)[None], cache)
+        return torch.cat([model(ids[:, p:p + n], torch.arange(p, p + n)[None], cache)[0]
+                          for p, n in ((20, 1), (21, 3), (24, 16), (40, 5))], dim=1)
+
+    fast = run()
+    try:
+        kernels.force_portable(True)
+        slow = run()
+    finally:
+        kernels.set_isa("auto")
+    assert torch.equal(fast, slow)
+
+
 def test_weights_option_is_checked_and_ignored_where_it_cannot_apply(loaded, ggufs, tmp_path):
     path = str(ggufs["qwen2"][0])
     with pytest.raises(VerispecError, match="weights"):

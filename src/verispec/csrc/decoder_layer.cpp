@@ -77,8 +77,11 @@ __attribute__((always_inline)) inline float vexp(float x) {
   return p * scale;
 }
 
+// The loops below are cloned for x86-64-v4 (AVX512 F/BW/DQ/VL), AVX2 and the baseline and picked at load; the
+// source fixes the order of every operation, so each clone gives the same bits. (A clone for AVX512F alone
+// packed bf16 without BW's word operations: SiLU over 8960 values 21 us against 11.)
 // h[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps))   (rows of n values, in place allowed)
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void rms_norm(const bf16* x, const bf16* w, bf16* h, int64_t rows, int64_t n, float eps) {
   for (int64_t t = 0; t < rows; ++t) {
     const bf16* xr = x + t * n;
@@ -90,13 +93,13 @@ void rms_norm(const bf16* x, const bf16* w, bf16* h, int64_t rows, int64_t n, fl
 }
 
 // y[i] = bf16(y[i] + a[i])   (residual adds, rounded as in llama.py)
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void add_into(bf16* y, const bf16* a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = b(f(y[i]) + f(a[i]));
 }
 
 // act = bf16(bf16(silu(gate)) * up) for one row of n, SiLU in fp32 (as F.silu on bf16)
-__attribute__((target_clones("avx512f", "avx2", "default")))
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void silu_mul(const bf16* __restrict gate, const bf16* __restrict up, bf16* __restrict act, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = f(gate[i]);
@@ -114,9 +117,21 @@ void rope(bf16* x, const bf16* c, const bf16* s, int64_t hd) {
   }
 }
 
+// each of the G rows of p [G, S] (scores) -> its softmax (weights)
+__attribute__((always_inline)) inline void softmax_rows(float* p, int64_t G, int64_t S) {
+  for (int64_t h = 0; h < G; ++h) {
+    float* ph = p + h * S;
+    float mx = ph[0];
+    for (int64_t j = 1; j < S; ++j) mx = std::max(mx, ph[j]);
+    for (int64_t j = 0; j < S; ++j) ph[j] = vexp(ph[j] - mx);
+    const float inv = 1.0f / lane_reduce(S, [&](int64_t j) { return ph[j]; });
+    for (int64_t j = 0; j < S; ++j) ph[j] *= inv;
+  }
+}
+
 // G query heads q [G, hd] against keys/values [lo, hi) of one KV head (rows of hd) -> out [G, hd] (bf16
-// bits). Plain loops the compiler vectorizes; cloned for AVX512 / AVX2 / baseline and picked at load.
-__attribute__((target_clones("avx512f", "avx2", "default")))
+// bits). Plain loops the compiler vectorizes.
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t G, int64_t hd,
             int64_t lo, int64_t hi, float scale, float* scratch) {
   const int64_t S = hi - lo;
@@ -132,20 +147,87 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o
       p[h * S + j] = lane_reduce(hd, [&](int64_t d) { return qh[d] * row[d]; });
     }
   }
-  for (int64_t h = 0; h < G; ++h) {
-    float* ph = p + h * S;
-    float mx = ph[0];
-    for (int64_t j = 1; j < S; ++j) mx = std::max(mx, ph[j]);
-    for (int64_t j = 0; j < S; ++j) ph[j] = vexp(ph[j] - mx);
-    const float inv = 1.0f / lane_reduce(S, [&](int64_t j) { return ph[j]; });
-    for (int64_t j = 0; j < S; ++j) ph[j] *= inv;
-  }
+  softmax_rows(p, G, S);
   for (int64_t i = 0; i < G * hd; ++i) acc[i] = 0.0f;
   for (int64_t j = 0; j < S; ++j) {
     for (int64_t d = 0; d < hd; ++d) row[d] = bits(v[(lo + j) * hd + d]);
     for (int64_t h = 0; h < G; ++h) {
       const float pj = p[h * S + j];
       for (int64_t d = 0; d < hd; ++d) acc[h * hd + d] += pj * row[d];
+    }
+  }
+  for (int64_t i = 0; i < G * hd; ++i) {
+    const bf16 r = static_cast<bf16>(acc[i]);
+    std::memcpy(out + i, &r, 2);
+  }
+}
+
+// 16 bf16 -> float, as bits()
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16(const uint16_t* s) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s))), 16));
+}
+
+// attend() with AVX512 intrinsics where hd is a multiple of 16: the same operations on every value in the same
+// order, so bitwise the same result. The scores of 16 keys come out of one reduction done side by side (each
+// key's 16 lanes summed in lane_reduce's tree), and the weighted sum of the values keeps up to 8 heads' partial
+// sums of 16 dimensions in registers over all keys instead of in memory.
+__attribute__((target("avx512f")))
+void attend_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t G, int64_t hd,
+                   int64_t lo, int64_t hi, float scale, float* scratch) {
+  const int64_t S = hi - lo, C = hd / 16;
+  float* p = scratch;       // [G, S] scores, then weights
+  float* qf = p + G * S;    // [G, hd]
+  float* acc = qf + G * hd; // [G, hd]
+  float* kf = acc + G * hd; // [16, hd]: 16 keys as floats
+  for (int64_t i = 0; i < G * hd; ++i) qf[i] = bits(q[i]) * scale;
+  int64_t j = 0;
+  for (; j + 16 <= S; j += 16) {
+    for (int64_t jj = 0; jj < 16; ++jj)
+      for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(kf + jj * hd + 16 * c, load16(k + (lo + j + jj) * hd + 16 * c));
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = qf + h * hd;
+      __m512 a[16];
+      for (int jj = 0; jj < 16; ++jj) a[jj] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < C; ++c) {
+        const __m512 qc = _mm512_loadu_ps(qh + 16 * c);
+        for (int jj = 0; jj < 16; ++jj) a[jj] = _mm512_add_ps(a[jj], _mm512_mul_ps(qc, _mm512_loadu_ps(kf + jj * hd + 16 * c)));
+      }
+      // lane_reduce's tree for the 16 keys at once: p8[l] = p[l] + p[l + 8]: keys (2m, 2m + 1) in b[m]
+      __m512 b[8];
+      for (int m = 0; m < 8; ++m)
+        b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44), _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xee));
+      // p4[l] = p8[l] + p8[l + 4]: 128-bit lane r of d[n] holds key (4n + r)'s p4 (b[2n]: keys 4n, 4n + 1; b[2n + 1]: 4n + 2, 4n + 3)
+      __m512 d[4];
+      for (int n = 0; n < 4; ++n)
+        d[n] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * n], b[2 * n + 1], 0x88), _mm512_shuffle_f32x4(b[2 * n], b[2 * n + 1], 0xdd));
+      // (p4[0] + p4[2]) + (p4[1] + p4[3]): f = [x0 + x2 of d0, of d1, x1 + x3 of d0, of d1] per 128-bit lane
+      const __m512 f0 = _mm512_add_ps(_mm512_unpacklo_ps(d[0], d[1]), _mm512_unpackhi_ps(d[0], d[1]));
+      const __m512 f1 = _mm512_add_ps(_mm512_unpacklo_ps(d[2], d[3]), _mm512_unpackhi_ps(d[2], d[3]));
+      // element 4r + n: key 4n + r
+      const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(f0, f1, 0x44), _mm512_shuffle_ps(f0, f1, 0xee));
+      const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+      _mm512_storeu_ps(p + h * S + j, _mm512_permutexvar_ps(order, r));
+    }
+  }
+  for (; j < S; ++j) {  // the last keys one at a time, as attend() does
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = qf + h * hd;
+      const uint16_t* kr = k + (lo + j) * hd;
+      p[h * S + j] = lane_reduce(hd, [&](int64_t dd) { return qh[dd] * bits(kr[dd]); });
+    }
+  }
+  softmax_rows(p, G, S);
+  for (int64_t h0 = 0; h0 < G; h0 += 8) {
+    const int64_t gn = std::min<int64_t>(8, G - h0);
+    for (int64_t c = 0; c < C; ++c) {
+      __m512 o[8];
+      for (int hh = 0; hh < 8; ++hh) o[hh] = _mm512_setzero_ps();
+      for (int64_t jj = 0; jj < S; ++jj) {
+        const __m512 vr = load16(v + (lo + jj) * hd + 16 * c);
+        for (int hh = 0; hh < 8; ++hh)
+          if (hh < gn) o[hh] = _mm512_add_ps(o[hh], _mm512_mul_ps(_mm512_set1_ps(p[(h0 + hh) * S + jj]), vr));
+      }
+      for (int hh = 0; hh < gn; ++hh) _mm512_storeu_ps(acc + (h0 + hh) * hd + 16 * c, o[hh]);
     }
   }
   for (int64_t i = 0; i < G * hd; ++i) {
@@ -179,6 +261,27 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
   TORCH_CHECK(T <= kMaxRows && S <= k_cache.size(1) && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decoder_layer_quantized: bad chunk or cache");
   const float feps = static_cast<float>(eps);
+  const int64_t cap = k_cache.size(1);
+
+  // 0. this layer's cached keys/values [lo, start) on their way into the L2 of the thread that will attend with
+  //    them (step 3 splits its items the same way), while the q/k/v projection streams its weights: the
+  //    draft's attention (24 layers, 200 cached tokens) 0.56 -> 0.46 ms a step
+  if (start > 0)
+    at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
+      uint64_t seen = 0;  // KV heads this thread has prefetched (heads past 63: not prefetched)
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t g = i % Hkv, last = start + i / Hkv;
+        if (g >= 64 || (seen >> g & 1)) continue;
+        seen |= uint64_t{1} << g;
+        const int64_t lo = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
+        const char* kb = reinterpret_cast<const char*>(k_cache.data_ptr<bf16>() + (g * cap + lo) * hd);
+        const char* vb = reinterpret_cast<const char*>(v_cache.data_ptr<bf16>() + (g * cap + lo) * hd);
+        for (int64_t o = 0; o < (start - lo) * hd * 2; o += 64) {
+          _mm_prefetch(kb + o, _MM_HINT_T1);
+          _mm_prefetch(vb + o, _MM_HINT_T1);
+        }
+      }
+    });
 
   // 1. attention input norm and the fused q/k/v projection
   auto h = torch::empty_like(x);
@@ -190,7 +293,6 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
   // 2. q/k norms (Qwen3), RoPE on q and k, new keys/values into the cache
   bf16* kc = k_cache.data_ptr<bf16>();
   bf16* vc = v_cache.data_ptr<bf16>();
-  const int64_t cap = k_cache.size(1);
   for (int64_t t = 0; t < T; ++t) {
     bf16* r = qkvp + t * row;
     if (w[5].has_value()) rms_norm(r, w[5]->data_ptr<bf16>(), r, H, hd, feps);
@@ -208,12 +310,13 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
   // 3. causal attention in fp32: row t sees keys [lo, start + t]; the G query heads of a KV head together
   auto o = torch::empty({T, H * hd}, x.options());
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const bool fast = has_vnni() && hd % 16 == 0;  // AVX512 there and not forced off
   at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scratch(G * (S + 2 * hd) + hd);  // attend()'s p, qf, acc, row
+    std::vector<float> scratch(G * (S + 2 * hd) + 16 * hd);  // attend()'s p, qf, acc, row (attend_avx512's kf)
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / Hkv, g = i % Hkv, last = start + t;
       const int64_t lo = window > 0 && last - window + 1 > 0 ? last - window + 1 : 0;
-      attend(reinterpret_cast<const uint16_t*>(qkvp + t * row + g * G * hd),
+      (fast ? attend_avx512 : attend)(reinterpret_cast<const uint16_t*>(qkvp + t * row + g * G * hd),
              reinterpret_cast<const uint16_t*>(kc + g * cap * hd), reinterpret_cast<const uint16_t*>(vc + g * cap * hd),
              reinterpret_cast<uint16_t*>(o.data_ptr<bf16>() + t * H * hd + g * G * hd), G, hd, lo, last + 1, scale,
              scratch.data());
