@@ -797,9 +797,8 @@ def test_fused_native_layer_is_bitwise_the_same_on_every_path(loaded):
     """The fused layer's attention has an AVX512 path (attend_avx512: 16 keys' scores reduced side by side) next
     to plain loops cloned per ISA; native matrices give the same bits on every path, so the logits must too.
     Contexts of 21-45 tokens: whole blocks of 16 keys and the keys after them. A wrong key order in the blocks
-    fails here; a one-rounding difference in a score mostly does not survive the bf16 rounding of the attention
-    output (an FMA in place of attend's multiply-then-add passed), so that part rests on attend_avx512 doing
-    lane_reduce's operations in lane_reduce's order."""
+    fails here; a one-rounding difference mostly does not survive the bf16 rounding of the attention output,
+    so tests/unit/test_kernels.py compares the two attention paths before it."""
     if "avx512-vnni" not in kernels.cpu_isas():
         pytest.skip(f"no AVX512 path on this CPU ({kernels.cpu_isas()})")
     model = loaded("qwen2", "native", torch.bfloat16).model

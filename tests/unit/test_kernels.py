@@ -209,3 +209,32 @@ def test_q4_pack_round_trips_representable_weights():
     lo = torch.randn(12, 4, 1).half().float()
     w = (q * d + lo).view(12, 128)
     torch.testing.assert_close(dequantize_q4(*pack_q4(w), 12, 128), w, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("G,hd", [(2, 64), (7, 64), (6, 128), (9, 32)])
+@pytest.mark.parametrize("lo,hi", [(0, 1), (0, 15), (0, 16), (3, 40), (0, 203)])
+def test_attention_avx512_path_is_bitwise_the_plain_loops(G, hd, lo, hi):
+    """The fused layer's attention (csrc/decoder_layer.cpp): attend_avx512 (16 keys' scores at a time) against
+    attend's plain loops, compared before the bf16 rounding of the output (which hides a one-rounding
+    difference): weights and fp32 sums bit for bit; both close to float64 attention. Whole blocks of 16 keys,
+    keys after them, fewer than 16, a window not starting at 0, and more than 8 heads (two groups of sums)."""
+    if "avx512-vnni" not in kernels.cpu_isas():
+        pytest.skip(f"no AVX512 path on this CPU ({kernels.cpu_isas()})")
+    g = torch.Generator().manual_seed(G * 1000 + hd + hi)
+    q = (torch.randn(G, hd, generator=g) * 2).bfloat16()
+    k, v = (torch.randn(hi + 2, hd, generator=g) * 2).bfloat16(), torch.randn(hi + 2, hd, generator=g).bfloat16()
+    fast = kernels._C.attend_parts(q, k, v, lo, hi, True)
+    plain = kernels._C.attend_parts(q, k, v, lo, hi, False)
+    for name, a, b in zip(("weights", "sums", "out"), fast, plain):
+        assert torch.equal(a, b), name
+    w64 = torch.softmax(q.double() @ k[lo:hi].double().T / hd ** 0.5, dim=-1)  # [G, S]
+    torch.testing.assert_close(fast[0].double(), w64, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast[1].double(), w64 @ v[lo:hi].double(), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_hook_refuses_bad_calls():
+    q = torch.zeros(2, 64).bfloat16()
+    with pytest.raises(RuntimeError, match="lo < hi"):
+        kernels._C.attend_parts(q, q, q, 1, 1, False)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels._C.attend_parts(q.float(), q, q, 0, 1, False)

@@ -8,6 +8,11 @@
 // summation order than the batched matmul there (~1e-6 relative).
 #include "kernels.h"
 
+// No fused multiply-adds where the source says multiply, then add: g++ contracts them by default in C++ wherever
+// the instruction set has FMA, which would give the AVX512 clone and attend_avx512 other bits than the AVX2 and
+// baseline clones (and the two attention paths other bits from each other).
+#pragma GCC optimize("fp-contract=off")
+
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -244,6 +249,29 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<c10::optional<tor
 }
 
 }  // namespace
+
+// Test hook: one attend() (fast: attend_avx512) of q [G, hd] against rows [lo, hi) of k, v [n, hd], all bf16
+// -> {weights [G, S], the fp32 sums [G, hd] before their rounding, out [G, hd] bf16}: the two paths compared
+// bit for bit before the bf16 rounding of the output can hide a difference.
+std::vector<torch::Tensor> attend_parts(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        int64_t lo, int64_t hi, bool fast) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+                  q.dim() == 2 && k.dim() == 2 && k.sizes() == v.sizes() && k.size(1) == q.size(1) &&
+                  q.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
+              "attend_parts: q [G, hd], k and v [n, hd], contiguous bf16");
+  TORCH_CHECK(0 <= lo && lo < hi && hi <= k.size(0), "attend_parts: need 0 <= lo < hi <= n");
+  const int64_t G = q.size(0), hd = q.size(1), S = hi - lo;
+  TORCH_CHECK(!fast || (has_vnni() && hd % 16 == 0), "attend_parts: the AVX512 path needs AVX512 and hd % 16 == 0");
+  auto scratch = torch::zeros({G * (S + 2 * hd) + 16 * hd}, q.options().dtype(at::kFloat));
+  auto out = torch::empty_like(q);
+  auto* qp = reinterpret_cast<const uint16_t*>(q.data_ptr<bf16>());
+  auto* kp = reinterpret_cast<const uint16_t*>(k.data_ptr<bf16>());
+  auto* vp = reinterpret_cast<const uint16_t*>(v.data_ptr<bf16>());
+  (fast ? attend_avx512 : attend)(qp, kp, vp, reinterpret_cast<uint16_t*>(out.data_ptr<bf16>()), G, hd, lo, hi,
+                                  1.0f / std::sqrt(static_cast<float>(hd)), scratch.data_ptr<float>());
+  return {scratch.narrow(0, 0, G * S).view({G, S}).clone(), scratch.narrow(0, G * S + G * hd, G * hd).view({G, hd}).clone(),
+          out};
+}
 
 // x: [T, D] bf16; cos, sin: [T, hd] bf16; k_cache, v_cache: [Hkv, capacity, hd] bf16 (this layer, batch
 // row 0), new keys/values written at [start, start + T); window: sliding window (0: none).

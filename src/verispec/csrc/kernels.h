@@ -72,6 +72,8 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, con
 int64_t gguf_block(int64_t K);
 torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                           const torch::Tensor& meta, const c10::optional<torch::Tensor>& bias);
+std::vector<torch::Tensor> attend_parts(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                        int64_t lo, int64_t hi, bool fast);  // test hook (decoder_layer.cpp)
 torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                                  torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t window,
                                  const std::vector<c10::optional<torch::Tensor>>& w,

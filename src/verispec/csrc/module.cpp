@@ -68,6 +68,8 @@ TORCH_LIBRARY_IMPL(verispec, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer_quantized", &verispec::decoder_layer_quantized,
         "one decoder layer for <= 16 new tokens of one sequence, int8 matrices (see decoder_layer.cpp)");
+  m.def("attend_parts", &verispec::attend_parts,
+        "test hook: one head group's attention on either path -> weights, fp32 sums, bf16 output");
   m.def("isa", &verispec::isa_name, "the instruction sets the kernels use now");
   m.def("gguf_layout", []() { return verispec::kGgufLayout; }, "the GGUF block layout linear_gguf expects");
   m.def("cpu_isas", &verispec::cpu_isas, "the kernel paths this CPU can run, fastest first");
