@@ -17,6 +17,7 @@ class FakeLlama:
 
     def __init__(self, path, draft_model=None, **kw):
         self.path, self.draft_model, self.kw = path, draft_model, kw
+        self.params = sys.modules["llama_cpp.llama_cpp"].llama_model_default_params()  # as Llama() takes them
         self.calls, self.resets, self.seed, self.n_tokens = [], 0, None, 0
         FakeLlama.made.append(self)
 
@@ -48,7 +49,11 @@ def fake_llama_cpp(monkeypatch):
     mod.Llama = FakeLlama
     spec = types.ModuleType("llama_cpp.llama_speculative")
     spec.LlamaPromptLookupDecoding = FakeLookup
+    lib = types.ModuleType("llama_cpp.llama_cpp")
+    lib.llama_model_default_params = lambda: types.SimpleNamespace(use_extra_bufts=True)
+    mod.llama_cpp = lib
     monkeypatch.setitem(sys.modules, "llama_cpp", mod)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", lib)
     monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", spec)
     return mod
 
@@ -74,6 +79,16 @@ def test_generates_exactly_n_tokens_with_a_fresh_prefill_each_run(fake_llama_cpp
     assert ids == [1, 2, 3]
     # greedy, and none of llama.cpp's default samplers (min_p 0.05, top_k 40, temp 0.8) in the way
     assert kw["temp"] == 0.0 and kw["min_p"] == 0.0 and kw["repeat_penalty"] == 1.0 and kw["typical_p"] == 1.0
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_amx_cpus_load_without_llama_cpps_weight_repacking(fake_llama_cpp, gguf, monkeypatch, capsys, amx):
+    """Its AMX repacking segfaults on some AMX CPUs (ggml-org/llama.cpp#20824): off there, on elsewhere."""
+    monkeypatch.setattr(peer_llamacpp, "amx_cpu", lambda: amx)
+    peer_llamacpp.LlamaCppPeer(gguf, threads=1)
+    assert [m.params.use_extra_bufts for m in FakeLlama.made] == [not amx, not amx]
+    assert ("ggml-org/llama.cpp#20824" in capsys.readouterr().err) == amx
+    assert sys.modules["llama_cpp.llama_cpp"].llama_model_default_params().use_extra_bufts  # put back
 
 
 def test_sampling_parameters_and_seed_reach_llama_cpp(fake_llama_cpp, gguf):

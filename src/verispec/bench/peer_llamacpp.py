@@ -4,10 +4,17 @@ Two modes, each with llama-cpp-python's own defaults for its speculative knob (w
 ``llamacpp`` (plain decoding) and ``llamacpp-lookup`` (its prompt-lookup draft,
 ``LlamaPromptLookupDecoding``: n-grams of up to 2 tokens, 10 drafted tokens). Its high-level API has no
 separate draft model. Optional: ``pip install llama-cpp-python`` (it compiles llama.cpp, a few minutes).
+
+On a CPU with AMX-INT8, llama.cpp repacks Q4_K / Q6_K weights for its AMX kernels (an "extra buffer type"),
+and on a 2-core Xeon VM here its first matrix product then segfaulted, killing the whole bench
+(ggml-org/llama.cpp#20824, open upstream). There the peer loads the file without extra buffer types (its
+AVX512 kernels) and says so on stderr.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +36,35 @@ def gguf_file(source: str) -> Path:
     return path
 
 
+def amx_cpu() -> bool:
+    """Whether this CPU has AMX-INT8 (Linux: the amx_int8 flag in /proc/cpuinfo)."""
+    try:
+        return " amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def without_extra_buffers():
+    """Models made inside load without llama.cpp's extra buffer types (its weight repacking, AMX included):
+    llama-cpp-python's Llama() takes its model parameters from llama_model_default_params(), which has no
+    keyword of its own, so that function is swapped for the duration."""
+    import llama_cpp.llama_cpp as lib
+
+    default = lib.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = default
+
+
 class LlamaCppPeer:
     modes = ["llamacpp", "llamacpp-lookup"]
 
@@ -40,9 +76,14 @@ class LlamaCppPeer:
             raise VerispecError("--peers llamacpp needs llama-cpp-python: pip install llama-cpp-python") from None
         path = str(gguf_file(source))
         kw = dict(n_ctx=context, n_threads=threads, n_threads_batch=threads, verbose=False)
+        plain = amx_cpu()
+        if plain:
+            print("llama.cpp peer: AMX CPU, its weight repacking off (it segfaults here: ggml-org/llama.cpp#20824)",
+                  file=sys.stderr)
         try:  # two contexts on one mmapped file: the lookup draft is fixed when a context is made
-            self.models = {"llamacpp": llama_cpp.Llama(path, **kw),
-                           "llamacpp-lookup": llama_cpp.Llama(path, draft_model=LlamaPromptLookupDecoding(), **kw)}
+            with without_extra_buffers() if plain else contextlib.nullcontext():
+                self.models = {"llamacpp": llama_cpp.Llama(path, **kw),
+                               "llamacpp-lookup": llama_cpp.Llama(path, draft_model=LlamaPromptLookupDecoding(), **kw)}
         except Exception as e:  # llama-cpp-python raises ValueError / RuntimeError with its own wording
             raise VerispecError(f"llama.cpp cannot load {path}: {str(e).splitlines()[0][:200]}") from None
         self.context = context
