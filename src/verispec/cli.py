@@ -54,8 +54,9 @@ def _add_model_args(p: argparse.ArgumentParser, compare_draft_quant: bool = Fals
                        help="draft model matrices in 4 bits (int4, default) or int8 on CPU, or as loaded (none); "
                             "exactness is unaffected")
     p.add_argument("--draft-vocab", type=int, default=None, metavar="N",
-                   help="draft proposes only its N most frequent tokens: a cheaper LM head, lower acceptance "
-                        "(default: 0 = all tokens); exactness is unaffected")
+                   help="draft proposes only its N most frequent tokens: a cheaper LM head, possibly lower "
+                        "acceptance (default: 49152 for the default draft, which ships a table, else all; "
+                        "0 = all tokens); exactness is unaffected")
     p.add_argument("--weights", default="auto", choices=["auto", "native", "dequantized"],
                    help="GGUF target (the default one too): 'native' runs its Q4_K/Q6_K/Q8_0/... matrices as they are "
                         "on CPU (int8 activations; 1.1 instead of 3.1 GB read per token for the default target), "

@@ -113,7 +113,8 @@ class EngineConfig:
     device: str | None = None  # None: cuda when available, else cpu
     threads: int | None = None  # None: torch's default
     draft_quant: str | None = "int4"  # int4 / int8: the draft model's matrices quantized (CPU); None: as loaded
-    draft_vocab: int | None = None  # the draft's LM head kept to its N most frequent tokens (draft_vocab.py); None/0: all
+    draft_vocab: int | None = None  # the draft's LM head kept to its N most frequent tokens (draft_vocab.py); 0: all;
+    # None: the named draft's default (registry draft_vocab_rows), else all
     draft_vocab_table: str | None = None  # a frequency table file (python -m verispec.draft_vocab); None: packaged
     weights: str = "auto"  # GGUF target: "native" keeps Q4_K/Q6_K/Q8_0/... matrices quantized (CPU kernels); auto:
     # native for a GGUF-sourced model (the default pair too) on CPU in bfloat16, else dequantized

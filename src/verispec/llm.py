@@ -43,7 +43,8 @@ class LLM:
     the draft's matrices in 4 bits on CPU (``"int8"``: 8 bits, ``"none"``: as loaded): cheaper drafting,
     exactly the same output distribution. ``draft_vocab=N`` keeps the draft's LM head to its N most frequent
     tokens (FR-Spec; a table ships for the default draft, ``draft_vocab_table`` names another): cheaper draft
-    steps, same output distribution, and less acceptance (off by default). ``weights="native"`` (what the
+    steps, same output distribution, possibly less acceptance (default: 49,152 rows for the default draft,
+    which ships a table; all rows for other drafts; ``draft_vocab=0``: all). ``weights="native"`` (what the
     default "auto" picks on CPU in bf16) keeps a GGUF target's quantized matrices in their GGUF blocks (Q8_0,
     Q4_0, Q5_0, Q4_K, Q5_K, Q6_K): 4.5-8.5 bits read per weight instead of 16, int8 activations per block
     of 512, and each row's logits independent of how many rows a forward carries, so greedy speculative

@@ -79,6 +79,10 @@ def test_packaged_table_for_the_default_draft():
     assert len(ids) == 32768 + sum(e not in table[:32768] for e in eos) and set(eos) <= set(ids.tolist())
     top = set(table[:2000].tolist())
     assert {13, 11, 279, 198} <= top  # ".", ",", " the", "\n" in Qwen2's vocabulary
+    # by default (None) the default draft keeps its registry rows; 0 keeps all; a draft without a default keeps all
+    default = head_ids_for(draft, QWEN_VOCAB, None, None, always=eos)
+    assert len(default) == REGISTRY[draft].draft_vocab_rows == 49152 and set(eos) <= set(default.tolist())
+    assert head_ids_for(draft, QWEN_VOCAB, 0, None) is None and head_ids_for("some/dir", QWEN_VOCAB, None, None) is None
 
 
 @pytest.fixture(scope="module")
@@ -175,3 +179,40 @@ def test_tool_bad_input_is_one_line(tiny_dirs, tmp_path, capsys, argv):
     subst = {"MISSING": str(tmp_path / "missing"), "OUT": str(tmp_path / "t"), "TINY": str(tiny_dirs["qwen2"])}
     rc = draft_vocab.main([subst.get(a, a) for a in argv])
     _assert_one_line(rc, capsys.readouterr().err)
+
+
+def test_corpus_counts_counts_tokens_within_the_budget(tiny_dirs, tmp_path):
+    from transformers import AutoTokenizer
+
+    from verispec import draft_vocab
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_dirs["qwen2"]))
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.py").write_text("aab")
+    (tmp_path / "src" / "b.md").write_text("b")
+    (tmp_path / "src" / "c.bin").write_bytes(b"zzzz")  # not a text suffix: not read
+    (tmp_path / "src" / "d.txt").write_bytes(b"\xff\xfe")  # not UTF-8: skipped
+    files = draft_vocab.corpus_files([str(tmp_path / "src")])
+    assert [f.name for f in files] == ["a.py", "b.md", "d.txt"]
+    counts = draft_vocab.corpus_counts(tok, files, 264, max_bytes=100, progress=False)
+    a, b, z = (tok("a")["input_ids"][0], tok("b")["input_ids"][0], tok("z")["input_ids"][0])
+    assert counts[a] == 2 and counts[b] == 2 and counts[z] == 0 and counts.sum() == 4
+    assert draft_vocab.corpus_counts(tok, files, 264, max_bytes=2, progress=False).sum() == 2  # the budget
+
+
+def test_tool_with_a_corpus_ranks_its_tokens_first(tiny_dirs, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    from verispec import draft_vocab
+
+    (tmp_path / "code.py").write_text("~" * 500)
+    out = tmp_path / "t"
+    assert draft_vocab.main(["--model", str(tiny_dirs["qwen2"]), "--out", str(out), "--new-tokens", "2",
+                             "--keep", "50", "--corpus", str(tmp_path / "code.py")]) == 0
+    tilde = AutoTokenizer.from_pretrained(str(tiny_dirs["qwen2"]))("~")["input_ids"][0]
+    assert load_table(out, 264)[0] == tilde  # half of the combined mass
+    capsys.readouterr()
+    for corpus in (tmp_path / "missing", tmp_path / "empty"):  # no such path; a directory without text files
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        rc = draft_vocab.main(["--model", str(tiny_dirs["qwen2"]), "--out", str(out), "--corpus", str(corpus)])
+        _assert_one_line(rc, capsys.readouterr().err)

@@ -122,6 +122,7 @@ def test_errors(fake_llama_cpp, gguf, tmp_path, monkeypatch):
 def run(label, method, pid, tps, cat="coding"):
     return {"label": label, "method": method, "category": cat, "prompt_id": pid, "tokens_per_s": tps,
             "wall_s": 64 / tps, "new_tokens": 64, "decode_ms_per_token": 1e3 / tps, "mean_accepted_length": 1.0,
+            "prefill_s": 0.0, "prompt_tokens": 20,
             "acceptance_rate": None, "per_position_acceptance": [1.0], "per_position_reached": [10], "speedup": None,
             "identical_to_ar": True, "drafted_tokens": 10, "accepted_tokens": 10, "draft_s": 0.0}
 

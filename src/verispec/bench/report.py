@@ -29,8 +29,11 @@ def _method_stats(rs: list[dict], ar_by_prompt: dict[str, dict], curve_ratio: di
     out = {"prompts": len(rs), "tokens_per_s": med("tokens_per_s"), "tau": med("mean_accepted_length"),
            "identical_to_ar": sum(r["identical_to_ar"] for r in rs)}
     if rs[0]["method"] == "ar":
-        return {**out, "speedup": 1.0, "alpha": None}
+        return {**out, "speedup": 1.0, "decode_speedup": 1.0, "alpha": None}
     speedups = [r["speedup"] for r in rs]
+    # the same without the target's prefill, which every method pays alike: AR decode ms/token / the method's
+    # (a drafter's catch-up on the prompt is in its decode time), same prompt
+    decode_speedups = [ar_by_prompt[r["prompt_id"]]["decode_ms_per_token"] / r["decode_ms_per_token"] for r in rs]
     drafted = sum(r["drafted_tokens"] for r in rs)
     K = max(len(r["per_position_reached"]) for r in rs)
     reached, accepted = [0] * K, [0] * K
@@ -48,6 +51,7 @@ def _method_stats(rs: list[dict], ar_by_prompt: dict[str, dict], curve_ratio: di
     per_position = [a / n if n else None for a, n in zip(accepted, reached)]
     c = statistics.median(costs) if costs else 0.0  # no draft time at all: a free drafter
     return {**out, "speedup": statistics.median(speedups), "speedup_spread": _spread(speedups),
+            "decode_speedup": statistics.median(decode_speedups),
             "alpha": sum(r["accepted_tokens"] for r in rs) / drafted if drafted else 0.0,
             # below K: early stops, short n-gram matches
             "drafts_per_round": drafted / reached[0] if K and reached[0] else 0.0,
@@ -69,7 +73,10 @@ def summarize(runs: list[dict], peer_runs: list[dict], weight_bytes: int, bandwi
     decode = {"ours_ms_per_token": ours_ms, "ours_spread_ms": _spread([r["decode_ms_per_token"] for r in ar]),
               "floor_ms_per_token": floor_ms, "ratio_to_floor": ours_ms / floor_ms, "read_bandwidth_gbs": bw,
               "read_bandwidth_samples_gbs": bandwidths, "weight_bytes": weight_bytes,
-              "verify_cost_ms": curve, "verify_cost_ratio": {T: ms / curve[1] for T, ms in curve.items()}}
+              "verify_cost_ms": curve, "verify_cost_ratio": {T: ms / curve[1] for T, ms in curve.items()},
+              # the target's prefill: its median share of an AR run's wall time, and ms per prompt token
+              "prefill_share": statistics.median(r["prefill_s"] / r["wall_s"] for r in ar),
+              "prefill_ms_per_prompt_token": statistics.median(1e3 * r["prefill_s"] / r["prompt_tokens"] for r in ar)}
     if "hf_ms_per_token" in ar[0]:
         hf_ms = [r["hf_ms_per_token"] for r in ar]
         decode.update(hf_ms_per_token=statistics.median(hf_ms), hf_spread_ms=_spread(hf_ms),
@@ -168,6 +175,9 @@ def markdown(r: dict) -> str:
               f"{d['ours_spread_ms'][1]:.1f}) = {d['ratio_to_floor']:.2f}x the floor",
               "- one target forward over T new tokens (warm cache): " + ", ".join(
                   f"T={T}: {ms:.1f} ms ({d['verify_cost_ratio'][T]:.2f}x)" for T, ms in d["verify_cost_ms"].items())]
+    if "prefill_share" in d:  # JSON written before it was reported has none
+        lines.append(f"- the target's prefill: {d['prefill_ms_per_prompt_token']:.1f} ms a prompt token, "
+                     f"{100 * d['prefill_share']:.0f}% of an AR run's wall time (median); every method pays it")
     if "hf_ms_per_token" in d:
         lines.append(f"- transformers: median {d['hf_ms_per_token']:.1f} ms/token (spread {d['hf_spread_ms'][0]:.1f}-"
                      f"{d['hf_spread_ms'][1]:.1f}); ours is {d['speedup_vs_hf']:.2f}x faster; "
@@ -175,20 +185,22 @@ def markdown(r: dict) -> str:
     spec = [lb for lb in s["overall"] if lb != "ar"]
     if spec:
         lines += ["", "Speculative methods (speedup = our AR wall time / method wall time, same prompt, same run; "
+                      "decode = the same without the target's prefill (AR decode ms/token / the method's); "
                       "medians; predicted = from the measured per-position acceptance, c and verify-cost curve; "
                       "c = draft cost per drafted token / AR target cost per token; acceptance: conditional "
                       "per position, then joint P(first i accepted)):", "",
-                  "| category | method | speedup (spread) | predicted | tau | alpha | drafts/round | "
+                  "| category | method | speedup (spread) | decode | predicted | tau | alpha | drafts/round | "
                   "per-position acceptance | joint | c | tok/s | "
                   + ("identical to AR |" if s["greedy"] else "prompts |"),
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         rates = lambda xs: " ".join("-" if a is None else f"{a:.2f}" for a in xs)  # noqa: E731
         for cat, table in [*s["by_category"].items(), ("overall", s["overall"])]:
             for lb in spec:
                 m = table[lb]
                 last = f"{m['identical_to_ar']}/{m['prompts']}" if s["greedy"] else str(m["prompts"])
                 lines.append(f"| {cat} | {lb} | {m['speedup']:.2f}x ({m['speedup_spread'][0]:.2f}-"
-                             f"{m['speedup_spread'][1]:.2f}) | {_x(m['predicted_speedup'])} | {m['tau']:.2f} | "
+                             f"{m['speedup_spread'][1]:.2f}) | {_x(m.get('decode_speedup'))} | "
+                             f"{_x(m['predicted_speedup'])} | {m['tau']:.2f} | "
                              f"{m['alpha']:.2f} | {m['drafts_per_round']:.2f} | "
                              f"{rates(m['per_position_acceptance'])} | "
                              f"{rates(m['per_position_joint'])} | {m['cost_ratio_c']:.2f} | "
