@@ -83,7 +83,10 @@ class LLM:
                          weights=self.engine_config.draft_weights)
             check_same_vocabulary(self.target, draft)
             cfg = self.engine_config
-            ids = draft_vocab.head_ids_for(self._draft_source, draft.config.vocab_size, cfg.draft_vocab,
+            rows = cfg.draft_vocab
+            if rows is None and draft.model.lm_head.native is not None:
+                rows = 0  # a head kept in its GGUF blocks cannot be cut: the named draft's default does not apply
+            ids = draft_vocab.head_ids_for(self._draft_source, draft.config.vocab_size, rows,
                                            cfg.draft_vocab_table, always=self.eos_token_ids)
             if ids is not None:
                 draft.model.restrict_head(ids)

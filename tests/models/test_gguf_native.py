@@ -820,7 +820,7 @@ def test_fused_native_layer_is_bitwise_the_same_on_every_path(loaded):
     assert torch.equal(fast, slow)
 
 
-def test_weights_option_is_checked_and_ignored_where_it_cannot_apply(loaded, ggufs, tmp_path):
+def test_weights_option_is_checked_and_ignored_where_it_cannot_apply(loaded, ggufs, tmp_path, monkeypatch):
     path = str(ggufs["qwen2"][0])
     with pytest.raises(VerispecError, match="weights"):
         load(path, torch.float32, "cpu", progress=False, weights="bogus")
@@ -841,6 +841,21 @@ def test_weights_option_is_checked_and_ignored_where_it_cannot_apply(loaded, ggu
     with pytest.raises(VerispecError, match="native"):  # a native draft's LM head cannot be restricted
         LLM(target=path, draft=path, weights="native", draft_weights="native", draft_vocab=32,
             draft_vocab_table=str(table), progress=False)
+    # a named draft's default head rows (registry draft_vocab_rows, here 32) apply to a dequantized draft; a
+    # native one keeps its full head instead of failing
+    from verispec import draft_vocab
+
+    real = draft_vocab.head_ids_for
+
+    def with_default(source, vocab_size, rows, table_path, always=()):
+        return real(source, vocab_size, 32 if rows is None else rows, str(table), always)
+    monkeypatch.setattr(draft_vocab, "head_ids_for", with_default)
+    cut = LLM(target=path, draft=path, weights="native", draft_quant="none", progress=False)
+    cut.draft_model()
+    assert cut.draft_vocab_rows is not None and cut.draft_vocab_rows >= 32
+    full = LLM(target=path, draft=path, weights="native", draft_weights="native", progress=False)
+    full.draft_model()
+    assert full.draft_vocab_rows is None
 
 
 def test_named_model_native_reads_its_gguf_file(ggufs, monkeypatch, tmp_path):
