@@ -142,3 +142,20 @@ def test_calibration_learns_from_verdicts_and_persists_across_requests(llms):
     judged = sum(cal.judged)
     spec(llm, PROMPTS[1], 4, max_new_tokens=N, ignore_eos=True)
     assert sum(llm.draft_calibrations[key].judged) > judged  # the next request kept learning in the same one
+
+
+def test_confidence_is_the_top_probability_with_and_without_restricted_rows():
+    """The early-stop confidence of a greedy draft is softmax(logits).max(): the CPU path (NumPy) agrees with
+    torch's softmax, also when most rows are -inf (a restricted head), and a sampling draft reports q's max."""
+    import torch
+
+    from verispec.drafters.draft_model import confidence
+
+    g = torch.Generator().manual_seed(0)
+    for masked in (0, 100_000):
+        logits = torch.randn(1, 151_936, generator=g) * 4
+        logits[0, torch.randperm(151_936, generator=g)[:masked]] = float("-inf")
+        want = torch.softmax(logits.double(), -1).max().item()
+        assert confidence(logits, None) == pytest.approx(want, rel=1e-5)
+    probs = torch.softmax(logits, -1)
+    assert confidence(logits, probs) == probs.max().item()

@@ -103,12 +103,17 @@ void add_into(bf16* y, const bf16* a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = b(f(y[i]) + f(a[i]));
 }
 
-// act = bf16(bf16(silu(gate)) * up) for one row of n, SiLU in fp32 (as F.silu on bf16)
+// act = bf16(bf16(silu(gate)) * up) for one row of n, SiLU in fp32 (as F.silu on bf16). The denominators
+// 1 + exp(-g) go through a buffer: in one loop g++ split the division by vexp's clamp cases (four masked
+// vdivps per 16 values where one does) and took twice as long (8960 values: 21 -> 11 us, same bits).
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void silu_mul(const bf16* __restrict gate, const bf16* __restrict up, bf16* __restrict act, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = f(gate[i]);
-    act[i] = b(f(b(g / (1.0f + vexp(-g)))) * f(up[i]));
+  constexpr int64_t C = 256;
+  float den[C];
+  for (int64_t i0 = 0; i0 < n; i0 += C) {
+    const int64_t m = std::min(C, n - i0);
+    for (int64_t i = 0; i < m; ++i) den[i] = 1.0f + vexp(-f(gate[i0 + i]));
+    for (int64_t i = 0; i < m; ++i) act[i0 + i] = b(f(b(f(gate[i0 + i]) / den[i])) * f(up[i0 + i]));
   }
 }
 

