@@ -19,28 +19,32 @@ from __future__ import annotations
 import bisect
 import random
 import sys
-from pathlib import Path
 
 D = 12  # tokens that order the datastore's positions: a match of n continues for at most D - n tokens
 
 
-def build(tok, roots: list[str], max_chars: int):
+def build(tok, files: list, max_chars: int):
+    """``files`` in a fixed shuffled order, up to ``max_chars`` characters, as one token array (-1 after each
+    file) -> (tokens padded with D + 1 x -1, positions sorted by their next D tokens, characters read)."""
     import numpy as np
 
-    files = sorted(f for r in roots for f in Path(r).rglob("*.py"))
+    from verispec.errors import VerispecError
+
+    files = list(files)
     random.Random(0).shuffle(files)
     texts, n = [], 0
     for f in files:
+        if n >= max_chars:
+            break
         try:
             s = f.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError):
             continue
         texts.append(s)
         n += len(s)
-        if n >= max_chars:
-            break
-    chunks = [np.array(ids + [-1], dtype=np.int32) for ids in tok(texts).input_ids]  # -1: end of a file
-    tokens = np.concatenate(chunks)
+    if not texts:
+        raise VerispecError("--corpus: no readable UTF-8 .py files")
+    tokens = np.concatenate([np.array(ids + [-1], dtype=np.int32) for ids in tok(texts).input_ids])
     pad = np.concatenate([tokens, np.full(D + 1, -1, np.int32)])
     order = np.lexsort([pad[i:i + len(tokens)] for i in range(D - 1, -1, -1)])  # positions by their next D tokens
     return pad, order, n
@@ -51,17 +55,11 @@ class Datastore:
         self.pad, self.order = pad, order
 
     def _range(self, key: tuple, lo: int, hi: int) -> tuple[int, int]:
+        """The positions in order[lo:hi] whose next len(key) tokens are key: [first, last + 1)."""
         n = len(key)
-
-        class View:  # order as a sorted sequence of n-token keys, for bisect
-            def __len__(_):
-                return len(self.order)
-
-            def __getitem__(_, i):
-                p = self.order[i]
-                return tuple(self.pad[p:p + n].tolist())
-
-        return bisect.bisect_left(View(), key, lo, hi), bisect.bisect_right(View(), key, lo, hi)
+        at = lambda p: tuple(self.pad[p:p + n].tolist())  # noqa: E731
+        return (bisect.bisect_left(self.order, key, lo, hi, key=at),
+                bisect.bisect_right(self.order, key, lo, hi, key=at))
 
     def draft(self, ctx: list[int], K: int, n_max: int = 8, n_min: int = 2, support: int = 2) -> list[int]:
         import numpy as np
@@ -110,20 +108,23 @@ def main(argv=None) -> int:
 def replay(args) -> None:
     from verispec import LLM, SamplingParams
     from verispec.bench.prompts import builtin_suite
+    from verispec.draft_vocab import corpus_files
     from verispec.drafters.ngram import NgramIndex
     from verispec.errors import VerispecError
 
-    for r in args.corpus:
-        if not Path(r).is_dir():
-            raise VerispecError(f"--corpus {r}: no such directory")
-    llm = LLM(progress=False)
-    pad, order, chars = build(llm.codec.tok, args.corpus, args.corpus_chars)
-    store = Datastore(pad, order)
-    print(f"datastore: {len(order):,} tokens from {chars:,} characters")
+    if args.corpus_chars < 1 or args.K < 1:
+        raise VerispecError("--corpus-chars and -K must be >= 1")
+    files = [f for f in corpus_files(args.corpus) if f.suffix == ".py"]  # draft_vocab's walk, .py only
+    if not files:
+        raise VerispecError(f"--corpus: no .py files under {' '.join(args.corpus)}")
     cats = args.categories.split(",")
     prompts = [p for p in builtin_suite() if p.category in cats]
     if not prompts:
         raise VerispecError(f"--categories {args.categories}: no such category in the built-in suite")
+    llm = LLM(progress=False)
+    pad, order, chars = build(llm.codec.tok, files, args.corpus_chars)
+    store = Datastore(pad, order)
+    print(f"datastore: {len(order):,} tokens from {chars:,} characters")
     rules = ("ng", "ds", "ng_then_ds", "best")
     print("| prompt | " + " | ".join(f"{r} tau" for r in rules) + " |")
     print("|---|" + "---|" * len(rules))
