@@ -18,9 +18,9 @@ import time
 
 
 def main(argv=None) -> int:
-    from verispec.cli import _Parser, run_tool
+    from verispec.flags import Parser, run_tool
 
-    ap = _Parser(prog="python3 scripts/forward_loop.py", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python3 scripts/forward_loop.py", description=__doc__.split("\n")[0])
     ap.add_argument("--draft", action="store_true", help="the 4-bit 0.5B draft instead of the native target")
     ap.add_argument("--tokens", type=int, default=1, help="new tokens per forward (default 1)")
     ap.add_argument("--seconds", type=float, default=25.0)

@@ -505,14 +505,27 @@ def transformers_version() -> str:
 # --------------------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags: one line and exit 2 (not verispec.flags.Parser: importing verispec would load the extension
+    before --no-ext can block it)."""
+
+    def error(self, message):
+        print(f"gpu_check: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="scripts/gpu_check.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="folder for gpu_check.json")
-    ap.add_argument("--device", default="cuda", help="cuda (default; falls back to cpu without CUDA) or cpu")
+    ap.add_argument("--device", default="cuda", help="cuda[:N] (default; falls back to cpu without CUDA) or cpu")
     ap.add_argument("--small", action="store_true", help="small shapes and few draws: a quick logic check")
     ap.add_argument("--no-ext", action="store_true", help="block verispec._C, as where the build does not load")
     ap.add_argument("--only", default="abc", help="which checks to run: any of a, b, c (default abc)")
     args = ap.parse_args()
+    if not args.only or set(args.only) - set("abc"):
+        ap.error(f"--only takes letters out of a, b, c, got {args.only!r}")
+    if args.device.split(":")[0] not in ("cuda", "cpu"):
+        ap.error(f"--device must be cuda, cuda:N or cpu, got {args.device!r}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.no_ext:

@@ -9,7 +9,7 @@ loaded model: the default 1.5B native target, or with --draft the 4-bit 0.5B dra
 128-token cache (200 for the draft). A round times 5 forwards of each size per tree. The report gives the
 median over rounds of each round's median, and says whether each tree's logits are bitwise those of the first.
 Rounds interleave the trees, so the VM's bandwidth swings hit them alike; between separate processes they
-would not. A tree from before the 6-bit Q6_K layout (no gguf_layout() in its module) runs on a second copy
+would not. A tree whose module has no gguf_layout() (Q6_K stored a byte per weight) runs on a second copy
 of the target loaded with the byte layout it reads.
 """
 
@@ -98,9 +98,9 @@ def old_layout_target(llm, capacity: int):
 
 
 def main(argv=None) -> int:
-    from verispec.cli import _Parser, run_tool
+    from verispec.flags import Parser, run_tool
 
-    ap = _Parser(prog="python3 scripts/kernel_ab.py", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python3 scripts/kernel_ab.py", description=__doc__.split("\n")[0])
     ap.add_argument("trees", nargs="+", metavar="NAME=DIR", help="source trees to compare (the first is the baseline)")
     ap.add_argument("--sizes", default="1,5,8", help="new tokens per forward, comma-separated (1-16)")
     ap.add_argument("--rounds", type=int, default=6)

@@ -9,8 +9,8 @@ Q4_K 17920 x 1536 (fused gate/up) and Q6_K 1536 x 8960 (down). --copies distinct
 so with the default 24 (~380 / 350 MB) every call reads its weights from DRAM, as a forward does; --copies 1
 keeps one matrix in the caches (compute-bound timing). A round times one pass over the copies per tree; the
 report gives the median over rounds of ms per matrix, and checks each tree's outputs bitwise against the
-first's. --isa avx2 forces every tree's AVX2 path (on an AVX512 machine). A tree from before the 6-bit Q6_K
-layout (no gguf_layout() in its module) gets the same blocks in the byte layout it reads.
+first's. --isa avx2 forces every tree's AVX2 path (on an AVX512 machine). A tree whose module has no gguf_layout()
+(Q6_K stored a byte per weight) gets the same blocks in the byte layout it reads.
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ def random_weight(type_name: str, N: int, K: int, rng, layouts=(2,)):
 
 
 def main(argv=None) -> int:
-    from verispec.cli import _Parser, run_tool
+    from verispec.flags import Parser, run_tool
 
-    ap = _Parser(prog="python3 scripts/kernel_stream.py", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python3 scripts/kernel_stream.py", description=__doc__.split("\n")[0])
     ap.add_argument("trees", nargs="+", metavar="NAME=DIR", help="source trees to compare (the first is the baseline)")
     ap.add_argument("--rows", default="1,2,8", help="activation rows M, comma-separated (1-4096; > 16: prefill)")
     ap.add_argument("--copies", type=int, default=24, help="distinct copies of each matrix (1: cache-resident)")

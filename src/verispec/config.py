@@ -109,7 +109,7 @@ WEIGHTS = ("auto", "native", "dequantized")  # how GGUF matrices are held (model
 class EngineConfig:
     """Where and how the models run."""
 
-    dtype: str = "auto"  # bf16 on GPUs, bf16-capable CPUs and native GGUF targets; float32 otherwise (loader.auto_dtype)
+    dtype: str = "auto"  # bf16 on GPUs, bf16-capable CPUs and native GGUF targets; float32 otherwise (models/loader.auto_dtype)
     device: str | None = None  # None: cuda when available, else cpu
     threads: int | None = None  # None: torch's default
     draft_quant: str | None = "int4"  # int4 / int8: the draft model's matrices quantized (CPU); None: as loaded
@@ -144,13 +144,3 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device cuda requested but no CUDA GPU is available")
         return self.device
-
-    def torch_dtype(self, target: str, draft: str | None = None):
-        """The model dtype; "auto" resolved for this target (and draft) on the resolved device."""
-        import torch
-
-        from .models.loader import auto_dtype
-
-        if self.dtype == "auto":
-            return auto_dtype(target, self.weights, self.resolved_device(), draft)
-        return getattr(torch, self.dtype)

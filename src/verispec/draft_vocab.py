@@ -7,11 +7,11 @@ the output distribution is still exactly the target's for every N: the draft can
 of the set (its q is 0 elsewhere), and recovered and bonus tokens come from the target's full
 distribution. What N costs is acceptance: a target token outside the set can never be drafted.
 
-The default draft keeps 49,152 rows (models/registry.py): with the first packaged table (model samples only)
-32k or 49k rows cost more acceptance on code than they saved (docs/BENCHMARKS.md, "Draft vocabulary"); the
-table rebuilt with a corpus (twenty-third session) covers 98.5% of the target's code tokens at 49k rows, and
-the same acceptance as the full head came with a 13% cheaper draft step. Other drafts keep their full head
-unless asked.
+The default draft keeps 49,152 rows (models/registry.py): its packaged table, counted from model samples and a
+code corpus, covers 98.5% of the target's code tokens at 49k rows, and gave the same acceptance as the full
+head with a 13% cheaper draft step; a table from model samples alone cost more acceptance on code at 32k or
+49k rows than it saved (docs/BENCHMARKS.md, "Draft vocabulary"). Other drafts keep their full head unless
+asked.
 
 The frequency ranking ships per tokenizer (``data/*.draft-vocab``) and is rebuilt with
 ``python -m verispec.draft_vocab --model NAME --out FILE``: the draft model answers a fixed set of
@@ -229,9 +229,9 @@ def corpus_counts(tokenizer, files: list[Path], vocab_size: int, max_bytes: int,
 
 
 def main(argv=None) -> int:
-    from .cli import _Parser, run_tool
+    from .flags import Parser, run_tool
 
-    p = _Parser(prog="python -m verispec.draft_vocab",
+    p = Parser(prog="python -m verispec.draft_vocab",
                 description="Rank a draft model's tokens by expected frequency (FR-Spec).")
     p.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="model name, HF directory or .gguf")
     p.add_argument("--out", required=True, help="table file to write")

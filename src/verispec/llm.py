@@ -16,7 +16,7 @@ from .config import DRAFT_QUANT_BITS, EngineConfig, SamplingParams, SpecConfig
 from .decoding import DecodeContext, Stats, autoregressive, speculative
 from .errors import ConfigError, VerispecError
 from .models.kv_cache import KVCache, PrefixCache
-from .models.loader import LoadedModel, load
+from .models.loader import LoadedModel, auto_dtype, load
 from .models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 from .sampling import make_generator
 from .stopping import StopChecker
@@ -63,7 +63,8 @@ class LLM:
             torch.set_num_threads(threads)
         self.device = self.engine_config.resolved_device()
         self._draft_source = draft or DEFAULT_DRAFT.get(target)
-        self.dtype = self.engine_config.torch_dtype(target, self._draft_source)
+        self.dtype = (auto_dtype(target, weights, self.device, self._draft_source) if dtype == "auto"
+                      else getattr(torch, dtype))  # validated by EngineConfig
         self.progress = progress
         self.target: LoadedModel = load(target, self.dtype, self.device, progress=progress, weights=weights)
         self.codec = Codec(self.target.tokenizer, self.target.config.vocab_size)

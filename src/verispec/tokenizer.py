@@ -1,8 +1,24 @@
-"""Prompt encoding (plain or through the tokenizer's chat template) and text decoding."""
+"""Tokenizers: loading one (transformers, from a directory or a GGUF file), prompt encoding (plain or through the
+chat template) and text decoding."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from .errors import VerispecError
+
+
+def load_tokenizer(path: Path, gguf_file: str | None = None):
+    """A transformers tokenizer from a directory, or from the metadata of ``gguf_file`` in it."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
+    except Exception as e:
+        raise VerispecError(f"cannot load the tokenizer from {Path(path) / (gguf_file or '')}: "
+                            f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}"
+                            ) from None
 
 
 class Codec:

@@ -1,4 +1,4 @@
-"""The exactness suite with native GGUF weights (issue 6): targets (and drafts) whose matrices stay in their
+"""The exactness suite with native GGUF weights: targets (and drafts) whose matrices stay in their
 Q4_K / Q5_K / Q6_K / Q8_0 / Q4_0 / Q5_0 blocks and run on csrc/linear_gguf.cpp.
 
 Greedy: speculative output (draft K = 1, 2, 4, 8; n-gram; auto) is token for token the AR output, in bf16

@@ -1,4 +1,4 @@
-"""Native GGUF weights (issue 6): models/gguf_native.py's decoding and csrc/linear_gguf.cpp's arithmetic,
+"""Native GGUF weights: models/gguf_native.py's decoding and csrc/linear_gguf.cpp's arithmetic,
 then GGUF files loaded with ``weights="native"``.
 
 The kernel's contract (header of csrc/linear_gguf.cpp), checked here against float64 references built

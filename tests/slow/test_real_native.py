@@ -1,4 +1,4 @@
-"""Real weights, native GGUF matrices (issue 6): the default pair loaded with weights="native" (Q4_K / Q6_K
+"""Real weights, native GGUF matrices: the default pair loaded with weights="native" (Q4_K / Q6_K
 target, Q5_0 / Q8_0 / Q4_K / Q6_K draft, bf16 elsewhere), greedy speculative output is *bitwise* the greedy
 AR output: every row of a verify pass gets the logits an AR step would (batch-invariant kernels and
 fused layer), so no near-tie can flip. Also: the native target's AR text stays close to the dequantized

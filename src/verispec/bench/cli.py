@@ -24,10 +24,10 @@ from ..errors import VerispecError
 
 
 def add_bench_parser(sub) -> None:
-    from ..cli import _add_model_args
+    from ..flags import add_model_args
 
     b = sub.add_parser("bench", help="per-category acceptance and speedup of speculative methods, peers side by side")
-    _add_model_args(b, compare_draft_quant=True)
+    add_model_args(b, compare_draft_quant=True)
     b.add_argument("--methods", default=None,
                    help="comma-separated: ar plus speculative methods (default: ar and every available one)")
     b.add_argument("--num-draft-tokens", default="4", help="K for speculative methods: one value or a list, e.g. 2,4,6,8 "
@@ -170,7 +170,7 @@ def run_bench(args) -> int:
     from tqdm import tqdm
 
     from .. import LLM, SamplingParams
-    from ..cli import engine_options
+    from ..flags import engine_options
     from .hardware import environment, read_bandwidth_gbs
     from .peer_llamacpp import LlamaCppPeer
     from .peers import HFPeer

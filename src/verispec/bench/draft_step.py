@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..cli import _Parser, run_tool
+from ..flags import Parser, run_tool
 from ..errors import VerispecError
 from ..models import loader
 from ..models.kv_cache import KVCache
@@ -60,7 +60,7 @@ def run(args) -> None:
 
 
 def main(argv=None) -> int:
-    ap = _Parser(prog="python -m verispec.bench.draft_step", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m verispec.bench.draft_step", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_DRAFT[DEFAULT_TARGET])
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=31)

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..cli import _Parser, run_tool
+from ..flags import Parser, run_tool
 from ..errors import VerispecError
 from ..models import loader
 from ..models.registry import DEFAULT_TARGET
@@ -55,7 +55,7 @@ def run(args, rows: list[int]) -> None:
 
 
 def main(argv=None) -> int:
-    ap = _Parser(prog="python -m verispec.bench.native_matmul", description=__doc__.split("\n")[0])
+    ap = Parser(prog="python -m verispec.bench.native_matmul", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_TARGET)
     ap.add_argument("--rows", default="1,2,4,5,8,9,16", help="comma-separated row counts M")
     ap.add_argument("--repeats", type=int, default=9)

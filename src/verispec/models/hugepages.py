@@ -4,7 +4,7 @@ A decode step reads every weight byte once. In 4 KB pages that is a TLB miss eve
 stream prefetchers stop at every page boundary. Linux backs memory with 2 MB pages (transparent huge pages)
 where a mapping asks for them with madvise(MADV_HUGEPAGE), which is what most distributions' default
 ("madvise") needs. On the 1.5B native target this made a forward over 1 / 4 / 8 new tokens 2.5% / 7% / 9%
-faster (docs/BENCHMARKS.md, ninth session).
+faster (docs/BENCHMARKS.md, "Native GGUF kernels").
 
 verispec's import already sets THP_MEM_ALLOC_ENABLE=1, so PyTorch's allocator advises its own blocks of
 2 MB and more; it does not reach these: the native blocks come from numpy or from the mapped cache file, and

@@ -24,7 +24,7 @@ from ..errors import VerispecError
 
 
 # float32: a packed oneDNN call costs ~60-80 us more than F.linear (MKL) whatever the size, and wins from ~1M
-# weights on (scripts/pack_overhead.py, 2-core Zen 1, 2 threads, one row: a 64 x 32 test matrix 67 against 9 us,
+# weights on (docs/BENCHMARKS.md, "Autoregressive decoding"; 2-core Zen 1, 2 threads, one row: a 64 x 32 test matrix 67 against 9 us,
 # 896 x 896 130 against 102, 1536 x 1536 738 against 787; 8960 x 1536 at 8 rows 13.9 against 25.2 ms). bf16
 # packs at any size: there F.linear re-lays the weight out on every call.
 PACK_MIN_WEIGHTS = 1 << 20

@@ -19,6 +19,7 @@ import torch
 from .. import kernels
 from ..config import WEIGHTS, env_flag
 from ..errors import VerispecError
+from ..tokenizer import load_tokenizer
 from . import hugepages
 from .config import ModelConfig
 from .gguf_native import NativePart, NativeWeight
@@ -293,18 +294,6 @@ def _load_native_cache(cache: Path, dtype: torch.dtype, device: str, source: str
     model = build_model(cfg, tensors(), dtype, device)
     tokenizer = load_tokenizer(cache) if any((cache / f).is_file() for f in TOKENIZER_FILES) else None
     return LoadedModel(model, cfg, tokenizer, source)
-
-
-def load_tokenizer(path: Path, gguf_file: str | None = None):
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    try:
-        return transformers.AutoTokenizer.from_pretrained(str(path), gguf_file=gguf_file)
-    except Exception as e:
-        raise VerispecError(f"cannot load the tokenizer from {path / (gguf_file or '')}: "
-                            f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__}"
-                            ) from None
 
 
 def _read_safetensors(files: list[Path], dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]]:

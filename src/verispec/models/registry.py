@@ -196,7 +196,7 @@ def _convert(entry: RegistryEntry, gguf_path: Path, out: Path, progress: bool) -
 
     from .config import ModelConfig
     from .gguf import GGUFFile
-    from .loader import load_tokenizer
+    from ..tokenizer import load_tokenizer
 
     gf = GGUFFile(str(gguf_path))
     raw = gf.hf_config()
