@@ -63,8 +63,9 @@ class LLM:
             torch.set_num_threads(threads)
         self.device = self.engine_config.resolved_device()
         self._draft_source = draft or DEFAULT_DRAFT.get(target)
-        self.dtype = (auto_dtype(target, weights, self.device, self._draft_source) if dtype == "auto"
-                      else getattr(torch, dtype))  # validated by EngineConfig
+        ec = self.engine_config
+        self.dtype = (auto_dtype(target, ec.weights, self.device, self._draft_source) if ec.dtype == "auto"
+                      else getattr(torch, ec.dtype))
         self.progress = progress
         self.target: LoadedModel = load(target, self.dtype, self.device, progress=progress, weights=weights)
         self.codec = Codec(self.target.tokenizer, self.target.config.vocab_size)
