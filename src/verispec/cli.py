@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, models list/pull, bench.
+"""`verispec` command line: generate, models list/pull, bench, train-head.
 
 Bad input ends in one line on stderr ("verispec: error: ...") and exit status 2; no tracebacks
 (set VERISPEC_DEBUG=1 to see one for an unexpected internal error).
@@ -23,8 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion")
     g.add_argument("prompt", nargs="?", help="prompt text ('-' reads stdin); leave out with --messages")
     add_model_args(g)
-    g.add_argument("--method", default="ar", help="decoding method: ar (default), draft (a draft model proposes), "
-                                                   "ngram (lookup in prompt + output) or auto (the best per round)")
+    g.add_argument("--method", default="auto", help="decoding method: auto (default: per round the best of the drafters "
+                                                     "below that can run here, or none), ar (plain decoding), draft (a draft "
+                                                     "model proposes), ngram (lookup in prompt + output), eagle (a draft head "
+                                                     "on the target's hidden states)")
     g.add_argument("--num-draft-tokens", type=int, default=4,
                    help="K: tokens drafted per round (default: 4; with --adaptive, the most a round may draft)")
     add_spec_args(g)
@@ -47,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from .training.cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return EXIT_USAGE
-        handler = {"generate": cmd_generate, "models": cmd_models, "bench": _bench}[args.command]
+        handler = {"generate": cmd_generate, "models": cmd_models, "bench": _bench, "train-head": _train_head}[args.command]
         return handler(args)
     except VerispecError as e:
         print(f"verispec: error: {e}", file=sys.stderr)
@@ -158,6 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"verispec: internal error: {type(e).__name__}: {msg[0] if msg else ''} "
               f"(set VERISPEC_DEBUG=1 for a traceback)", file=sys.stderr)
         return 1
+
+
+def _train_head(args) -> int:
+    from .training.cli import run_train
+
+    return run_train(args)
 
 
 def _bench(args) -> int:

@@ -36,6 +36,8 @@ class DecodeContext:
     drafter: Drafter | None = None
     num_draft_tokens: int = 0  # K
     verify_s: dict[int, float] = field(default_factory=dict)  # verify size T -> recent s of a round besides drafting
+    feature_layers: tuple[int, ...] = ()  # target hidden states the drafter reads (drafter.feature_layers)
+    features: torch.Tensor | None = None  # [capacity, F]: those states of every position the target has read
 
 
 @dataclass
@@ -94,7 +96,9 @@ def timed_forward(ctx: DecodeContext, tokens: torch.Tensor, **kw) -> torch.Tenso
     start = ctx.cache.length
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]  # [1, T]
     t0 = time.perf_counter()
-    logits, _ = ctx.target(tokens, positions, ctx.cache, **kw)
+    logits, hidden = ctx.target(tokens, positions, ctx.cache, hidden_layers=ctx.feature_layers, **kw)
+    if hidden:  # rows of a rejected draft are overwritten later, as in the KV cache
+        torch.cat([hidden[i][0] for i in ctx.feature_layers], dim=-1, out=ctx.features[start:start + tokens.shape[1]])
     if logits.is_cuda:
         torch.cuda.synchronize()
     ctx.stats.target_s += time.perf_counter() - t0
@@ -126,6 +130,11 @@ def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
     # Report K positions (None where never reached) even if the budget or a stop ends the run first.
     ctx.stats.reached = [0] * ctx.num_draft_tokens
     ctx.stats.accepted_at = [0] * ctx.num_draft_tokens
+    ctx.feature_layers = tuple(getattr(ctx.drafter, "feature_layers", ()))
+    if ctx.feature_layers:
+        D = ctx.target.config.hidden_size
+        ctx.features = torch.empty(ctx.cache.capacity, len(ctx.feature_layers) * D, dtype=ctx.target.dtype,
+                                   device=ctx.prompt.device)
     last = prefill(ctx)  # [1]: committed, its keys/values not yet in the target cache
     context = ctx.prompt[0].tolist() + [last.item()]
     yield context[-1:]
@@ -145,7 +154,7 @@ def speculative(ctx: DecodeContext) -> Iterator[list[int]]:
             ctx.verify_s[last_round[0]] = ema(ctx.verify_s.get(last_round[0]), t0 - last_round[1])
         draft = ctx.drafter.propose(DraftRequest(context, K, ctx.params, ctx.generator, capacity,
                                                  ctx.target.config.vocab_size, ctx.logit_mask, last.device,
-                                                 ctx.verify_s))
+                                                 ctx.verify_s, ctx.features))
         t_drafted = time.perf_counter()
         ctx.stats.draft_s += t_drafted - t0
         K = draft.tokens.shape[1]

@@ -61,6 +61,9 @@ def add_model_args(p: argparse.ArgumentParser, compare_draft_quant: bool = False
                         "native on CPU in bfloat16")
     p.add_argument("--draft-weights", default="dequantized", choices=["dequantized", "native"],
                    help="the same for the draft model (default: dequantized, then --draft-quant)")
+    p.add_argument("--head", default=None, metavar="DIR",
+                   help="EAGLE-3 draft head for --method eagle (verispec train-head, or a public EAGLE-3 / SpecForge "
+                        "checkpoint for this target; default: the head that ships for the default target)")
     p.add_argument("--draft-vocab-table", default=None, metavar="FILE",
                    help="token-frequency table for --draft-vocab (python -m verispec.draft_vocab)")
 
@@ -82,7 +85,7 @@ def engine_options(args) -> dict:
     return dict(target=args.target, draft=args.draft, dtype=args.dtype, device=args.device, threads=args.threads,
                 draft_quant=args.draft_quant.split(",")[0],  # bench may list several: the first is the LLM's own
                 draft_vocab=args.draft_vocab, draft_vocab_table=args.draft_vocab_table,
-                weights=args.weights, draft_weights=args.draft_weights)
+                weights=args.weights, draft_weights=args.draft_weights, head=args.head)
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ import gc
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -17,7 +18,8 @@ from .decoding import DecodeContext, Stats, autoregressive, speculative
 from .errors import ConfigError, VerispecError
 from .models.kv_cache import KVCache, PrefixCache
 from .models.loader import LoadedModel, auto_dtype, load
-from .models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
+from .models.eagle import EagleHead, frozen_rows, read_head
+from .models.registry import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
 from .sampling import make_generator
 from .stopping import StopChecker
 from .tokenizer import Codec
@@ -55,7 +57,7 @@ class LLM:
     def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = None, dtype: str = "auto",
                  device: str | None = None, threads: int | None = None, draft_quant: str | None = "int4",
                  draft_vocab: int | None = None, draft_vocab_table: str | None = None, weights: str = "auto",
-                 draft_weights: str = "dequantized", progress: bool = True):
+                 draft_weights: str = "dequantized", head: str | None = None, progress: bool = True):
         self.engine_config = EngineConfig(dtype=dtype, device=device, threads=threads, draft_quant=draft_quant,
                                           draft_vocab=draft_vocab, draft_vocab_table=draft_vocab_table,
                                           weights=weights, draft_weights=draft_weights)
@@ -63,6 +65,8 @@ class LLM:
             torch.set_num_threads(threads)
         self.device = self.engine_config.resolved_device()
         self._draft_source = draft or DEFAULT_DRAFT.get(target)
+        self._head_source = head or DEFAULT_HEAD.get(target)
+        self.head: EagleHead | None = None
         ec = self.engine_config
         self.dtype = (auto_dtype(target, ec.weights, self.device, self._draft_source) if ec.dtype == "auto"
                       else getattr(torch, ec.dtype))
@@ -96,6 +100,31 @@ class LLM:
                 draft.model.quantize_weights(DRAFT_QUANT_BITS[self.engine_config.draft_quant])
             self.draft = draft
         return self.draft
+
+    @property
+    def has_head(self) -> bool:
+        """Whether a draft head was given or ships for this target (method eagle can run)."""
+        return self.head is not None or (self._head_source is not None and Path(self._head_source).exists())
+
+    def eagle_head(self) -> EagleHead:
+        """The EAGLE-3 draft head (``head=`` or the one that ships for the default target), loaded and checked
+        against the target on first use: the target's embedding table and, when the file has no LM head, the
+        target's rows for the head's draft vocabulary; int8 matrices on CPU."""
+        if self.head is None:
+            if self._head_source is None:
+                raise VerispecError("method eagle needs a draft head for this target: pass LLM(head=DIR) or --head "
+                                    "(verispec train-head makes one)")
+            head, has_lm_head = read_head(self._head_source, self.target.config, str(self.target.source))
+            if not has_lm_head:
+                with torch.no_grad():
+                    head.lm_head.weight.copy_(frozen_rows(self.target.model.lm_head, head.d2t))
+            head = head.to(self.device, self.dtype)
+            head.d2t = head.d2t.to(self.device)
+            head.attach_embedding(self.target.model.embed_tokens)
+            head.requires_grad_(False)
+            head.quantize(8)
+            self.head = head
+        return self.head
 
     def with_draft_quant(self, draft_quant: str | None) -> LLM:
         """This LLM with its draft in another weight format (``draft_quant`` as in the constructor): target,
@@ -159,7 +188,8 @@ class LLM:
         drafter = drafters.METHODS[spec.method](self, spec) if spec.method != AR else None
         if drafter is not None and spec.adaptive and not getattr(drafter, "adaptive", False):
             # adaptive K is auto's choice with one candidate (n-gram drafts: per match length)
-            drafter = drafters.AutoDrafter({spec.method: drafter}, spec.min_draft_tokens, spec.num_draft_tokens)
+            drafter = drafters.AutoDrafter({spec.method: drafter}, spec.min_draft_tokens, spec.num_draft_tokens,
+                                           allow_no_spec=False)
         prompt_ids = self.codec.encode(prompt, chat=chat, system=system)
         context = self.target.config.max_position_embeddings
         P = len(prompt_ids)

@@ -149,12 +149,21 @@ def test_generate_json(capsys, tiny):
     assert obj["stats"]["target_forwards"] == len(want)
 
 
+def test_the_default_method_is_auto(capsys, tiny):
+    """Users get auto unless they ask otherwise; greedy, that is the AR output token for token."""
+    want = LLM(target=tiny, dtype="float32").generate("Hello, hello, hello", SamplingParams(max_new_tokens=24))
+    rc, out, err = run_main(capsys, gen(tiny, "--max-new-tokens", "24", prompt="Hello, hello, hello"))
+    assert rc == 0, err
+    assert out == want.text + "\n"
+    assert err.strip().splitlines()[-1].startswith(f"[auto: {len(want.token_ids)} tokens"), err
+
+
 def test_generate_stream_and_no_stream(capsys, tiny):
     llm = LLM(target=tiny, dtype="float32")
     want = llm.generate("Stream", SamplingParams(max_new_tokens=10, temperature=0.9, seed=4, stop=["q"]))
     for extra in ([], ["--no-stream"]):
         rc, out, err = run_main(capsys, gen(tiny, "--max-new-tokens", "10", "--temperature", "0.9", "--seed", "4",
-                                            "--stop", "q", *extra, prompt="Stream"))
+                                            "--stop", "q", "--method", "ar", *extra, prompt="Stream"))
         assert rc == 0, err
         assert out == want.text + "\n"
         lines = err.strip().splitlines()
@@ -168,7 +177,7 @@ def test_generate_sampling_flags_reach_the_sampler(capsys, tiny):
     want = llm.generate("Flags", params, chat=True, system="sys")
     rc, out, err = run_main(capsys, gen(tiny, "--max-new-tokens", "16", "--temperature", "0.8", "--top-k", "20",
                                         "--top-p", "0.9", "--seed", "11", "--chat", "--system", "sys", "--json",
-                                        prompt="Flags"))
+                                        "--method", "ar", prompt="Flags"))
     assert rc == 0, err
     obj = json.loads(out.strip().splitlines()[-1])
     assert obj["token_ids"] == want.token_ids and obj["text"] == want.text

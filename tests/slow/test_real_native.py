@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 # (prompt, method, K): every method and K on the code prompt, and on the others the runs whose verify passes
 # and drafts differ most (prose: long draft-model rounds and lookups that rarely hit; chat: the chat template)
 RUNS = [("code", "draft", 4), ("code", "draft", 8), ("code", "ngram", 4), ("code", "auto", 4),
-        ("prose", "draft", 8), ("prose", "ngram", 4), ("chat", "draft", 4), ("chat", "auto", 4)]
+        ("prose", "draft", 8), ("prose", "ngram", 4), ("chat", "draft", 4), ("chat", "auto", 4),
+        ("code", "eagle", 4), ("chat", "eagle", 6)]  # eagle: the head that ships for the default target
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,17 @@
 """``auto``'s choice against scripted drafters: per-match-length estimates for n-gram lookup, the draft
-model's catch-up cost spread over the rounds left, and the bookkeeping of what each round cost."""
+model's catch-up cost spread over the rounds left, the bookkeeping of what each round cost, and no
+speculation (a plain target step) against drafting, timed with a fake clock."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import verispec.drafters.auto
 from verispec.config import SamplingParams
-from verispec.drafters.auto import AutoDrafter
+from verispec.drafters.auto import NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, AutoDrafter
 from verispec.drafters.base import Draft, DraftRequest
 
 
@@ -158,3 +162,116 @@ def test_a_short_match_without_a_record_is_not_tried_beside_a_draft_model():
     auto.update(2)
     del auto.drafters["draft"]  # alone, the n-gram draft is still taken (better than a plain step)
     assert auto.propose(request()).source == "ngram"
+
+class Clock:
+    """A fake ``time.perf_counter``: seconds pass only when a test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(verispec.drafters.auto, "time", SimpleNamespace(perf_counter=c))
+    return c
+
+
+class TimedModel(Model):
+    """An expensive drafter that spends ``t_draft`` fake seconds per drafted token."""
+
+    def __init__(self, clock, t_draft):
+        super().__init__()
+        self.clock, self.t_draft = clock, t_draft
+
+    def propose(self, request):
+        self.clock.now += self.t_draft * request.num_tokens
+        return super().propose(request)
+
+
+def slow_auto(clock, acceptance=0.1, t_draft=0.02, allow_no_spec=True):
+    """auto with one draft model, measured: ``acceptance`` at every position, ``t_draft`` s per drafted token,
+    verify 50 ms at every size but 1 (not measured yet)."""
+    model = TimedModel(clock, t_draft)
+    auto = AutoDrafter({"draft": model}, 1, 4, allow_no_spec=allow_no_spec)
+    auto.t_verify.update({T: 0.05 for T in range(2, 6)})
+    ctl = auto.controller("draft")
+    ctl.acceptance, ctl.t_draft = [acceptance] * 4, t_draft
+    return auto, model
+
+
+def play(auto, clock, rounds, accept_all=False, verify_s=0.05):
+    """``rounds`` rounds whose verify takes ``verify_s`` fake seconds at any size; every draft accepted, or none.
+    -> one letter a round: D (drafted), P (plain step)."""
+    out = ""
+    for _ in range(rounds):
+        K = auto.propose(request()).tokens.shape[1]  # [1, K]
+        clock.now += verify_s
+        auto.update(K if accept_all else 0)
+        out += "D" if K else "P"
+    return out
+
+
+def drafter_value(auto):
+    ctl = auto.controller("draft")
+    return ctl.tokens_per_second(ctl.choose(4))
+
+
+def test_slow_poor_drafts_lose_to_a_plain_step_valued_at_one_over_the_measured_verify(clock):
+    auto, model = slow_auto(clock)  # K=1: 1.1 tokens in 0.07 s (15.7/s); a plain step: 1 in ~0.05 s (20/s)
+    assert drafter_value(auto) == pytest.approx(1.1 / 0.07)
+    draft = auto.propose(request())
+    assert draft.tokens.shape == (1, 0) and draft.source is None and model.proposed == []
+    clock.now += 0.04  # the plain step took 40 ms
+    auto.update(0)
+    assert model.updates == []  # a switched-off drafter learns nothing
+    assert auto.t_verify[1] == pytest.approx(0.04)  # the plain round measured t_verify(1)
+    assert auto.no_spec_value() == pytest.approx(25.0)
+    # the decision turns on 1 / t_verify(1): just below the drafter's value it drafts, just above it does not
+    value = drafter_value(auto)
+    auto.t_verify[1] = 1 / (0.99 * value)
+    assert auto.propose(request()).source == "draft"
+    auto.t_verify[1] = 1 / (1.01 * value)
+    assert auto.propose(request()).tokens.shape[1] == 0
+
+
+def test_without_the_plain_option_slow_poor_drafts_are_still_made(clock):
+    auto, _ = slow_auto(clock, allow_no_spec=False)  # the case above, K = 0 ruled out
+    assert play(auto, clock, 10) == "D" * 10
+    assert auto.no_spec_value() is None and 1 not in auto.t_verify
+
+
+def test_good_drafts_beat_a_plain_step(clock):
+    auto, model = slow_auto(clock, acceptance=0.95)  # K=4: 4.52 tokens in 0.13 s (35/s) against 20/s
+    auto.t_verify[1] = 0.05
+    assert play(auto, clock, 10, accept_all=True) == "D" * 10
+    assert drafter_value(auto) > auto.no_spec_value() == pytest.approx(20.0)
+    assert model.proposed == [4] * 10
+
+
+def test_plain_rounds_retry_the_drafter_with_back_off_and_drafting_returns_when_it_pays(clock):
+    auto, model = slow_auto(clock)
+    # drafts keep failing: the drafter is tried again after 4, 8, 16 ... plain rounds, at most NO_SPEC_RETRY_MAX
+    rounds = play(auto, clock, 4 + 1 + 8 + 1 + 16 + 1 + 32 + 1 + 64 + 1 + 64 + 1)
+    gaps = [len(run) for run in rounds.split("D")[:-1]]
+    assert gaps == [4, 8, 16, 32, 64, 64] and rounds.endswith("D")
+    assert NO_SPEC_RETRY == 4 and NO_SPEC_RETRY_MAX == 64
+    assert model.updates == [0] * 6 and auto.t_verify[1] == pytest.approx(0.05)
+    # the text turns predictable: each retry is fully accepted; acceptance at position 1 climbs (EMA 0.8) from
+    # 0.03 to 0.22, 0.38, 0.50: the third retry makes K=1 worth 1.5 / 0.07 = 21.5/s > 20/s, and drafting stays
+    rounds = play(auto, clock, 64 + 1 + 64 + 1 + 64 + 1 + 20, accept_all=True)
+    assert rounds == "P" * 64 + "D" + "P" * 64 + "D" + "P" * 64 + "D" * 21
+    assert auto.plain_rounds == 0 and auto.retry_after == NO_SPEC_RETRY  # a drafter won: the back-off starts over
+    assert drafter_value(auto) > auto.no_spec_value()
+
+
+def test_a_drafter_is_tried_before_it_is_switched_off(clock):
+    model = TimedModel(clock, 0.05)
+    auto = AutoDrafter({"draft": model}, 1, 4)
+    assert auto.propose(request()).source == "draft"  # nothing measured: it drafts, as without the option
+    auto = AutoDrafter({"draft": model}, 1, 4)
+    auto.t_verify[1] = 0.001  # a plain step looks far better, but the draft model has no record of its own
+    assert auto.propose(request()).source == "draft"

@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Each layer may import only from layers below it (and from the shared leaves).
 LAYERS = [
-    ("verispec.cli", "verispec.bench"),
+    ("verispec.cli", "verispec.bench", "verispec.training"),
     ("verispec.llm",),
     ("verispec.decoding", "verispec.drafters"),
     ("verispec.models",),

@@ -8,6 +8,7 @@ from ..errors import VerispecError
 from .auto import AutoDrafter
 from .base import Draft, Drafter, DraftRequest
 from .draft_model import DraftModelDrafter
+from .eagle import EagleDrafter
 from .ngram import NgramDrafter, NgramIndex
 
 
@@ -18,8 +19,11 @@ def _draft_model(llm, spec) -> DraftModelDrafter:
 
 
 def _auto(llm, spec) -> AutoDrafter:
-    """Every drafter that can run here, cheapest first (n-gram; the draft model when there is one)."""
+    """Every drafter that can run here, cheapest first (n-gram; a draft head and a draft model when the target has
+    them); plain decoding is always an option too (drafters/auto.py)."""
     candidates = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
+    if llm.has_head:  # a head given, or one that ships for this target (a broken one is an error, not skipped)
+        candidates["eagle"] = EagleDrafter(llm.eagle_head())
     try:
         candidates["draft"] = _draft_model(llm, spec)
     except VerispecError:
@@ -30,8 +34,9 @@ def _auto(llm, spec) -> AutoDrafter:
 METHODS = {
     "draft": lambda llm, spec: _draft_model(llm, spec),
     "ngram": lambda llm, spec: NgramDrafter(spec.ngram_min, spec.ngram_max),
+    "eagle": lambda llm, spec: EagleDrafter(llm.eagle_head()),
     "auto": _auto,
 }
 
-__all__ = ["AutoDrafter", "Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "METHODS", "NgramDrafter",
+__all__ = ["AutoDrafter", "Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "EagleDrafter", "METHODS", "NgramDrafter",
            "NgramIndex"]

@@ -17,6 +17,15 @@ yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K +
   PRIOR_CATCH_UP per catch-up token: measured ratios for the 0.5B draft of the 1.5B target on CPU, where
   PRIOR_C is 0.14 (4-bit draft, bf16 target) to 0.4 (native target); the prior sits between them).
 
+- No speculation (K = 0, an empty draft: the engine runs a plain target step) is an option too, worth
+  ``1 / t_verify(1)`` tokens per second (one target forward per token). It is taken when it beats every
+  drafter, once the best drafter has a record of its own (a drafter never measured is tried first, and
+  before any verify is measured auto drafts). A plain round is timed like any other: it measures
+  t_verify(1). Switched-off drafters learn nothing, so after a run of plain rounds the best drafter drafts
+  once more for fresh evidence: after NO_SPEC_RETRY plain rounds, then twice as many after each retry that
+  loses (at most NO_SPEC_RETRY_MAX), back to NO_SPEC_RETRY when a drafter wins. A context that turns
+  predictable gets speculation back. ``allow_no_spec=False`` always drafts.
+
 Only the chosen drafter proposes (expensive) or is kept (cheap), and only it learns from the round.
 Exactness is the verifier's business, whatever drafter is picked.
 """
@@ -28,7 +37,7 @@ from dataclasses import replace
 
 import torch
 
-from ..adaptive import DraftLengthController, ema
+from ..adaptive import DraftLengthController, ema, verify_seconds
 from ..costmodel import expected_tokens_per_round
 from .base import Draft, DraftRequest
 
@@ -38,18 +47,27 @@ TRY_MIN_MATCH = 3  # an n-gram match this long is valued at the prior without a 
 # record, or alone); in auto on 15 suite prompts (one-off count) untried 1-gram matches got 1 of 81 drafts
 # accepted, 2-grams 7 of 60, 3- and 4-grams 23 of 49
 LONG_CATCH_UP = 16  # catch-ups longer than this take the prefill path: their per-token cost is learned
+NO_SPEC_RETRY = 4  # plain rounds in a row before the best drafter drafts again; doubled after each losing retry
+NO_SPEC_RETRY_MAX = 64  # the longest wait between retries
 
 
 class AutoDrafter:
     adaptive = True  # chooses its own lengths: the engine must not wrap it again
 
-    def __init__(self, drafters: dict[str, object], k_min: int, k_max: int):
+    def __init__(self, drafters: dict[str, object], k_min: int, k_max: int, allow_no_spec: bool = True):
         self.drafters = drafters
+        # the target hidden states a delegate reads (an EAGLE head): the engine keeps them for all
+        self.feature_layers = next((tuple(d.feature_layers) for d in drafters.values()
+                                    if getattr(d, "feature_layers", ())), ())
         self.k_min, self.k_max = k_min, k_max
+        self.allow_no_spec = allow_no_spec  # a plain target step (K = 0) may be chosen
         self.t_verify: dict[int, float] = {}  # the target's cost per forward size, learned from every round
         self.controllers: dict[tuple[str, int | None], DraftLengthController] = {}
         self.t_catch_up: float | None = None  # EMA seconds per token of a long catch-up
-        self._round: tuple | None = None  # (drafter, controller, K, draft seconds, hand-over time)
+        self.plain_rounds = 0  # plain rounds chosen in a row since the last drafter round
+        self.retry_after = NO_SPEC_RETRY  # plain rounds before the best drafter drafts again
+        # (drafter, controller, K, draft seconds, hand-over time); drafter and controller None: a plain step
+        self._round: tuple | None = None
 
     def controller(self, name: str, match: int | None = None) -> DraftLengthController:
         key = (name, match)
@@ -87,6 +105,34 @@ class AutoDrafter:
             return -1.0
         return ctl.tokens_per_second(K)
 
+    def no_spec_value(self) -> float | None:
+        """Expected tokens/s of a plain target step, ``1 / t_verify(1)``; None when it is no option (disabled,
+        or no verify measured yet)."""
+        if not self.allow_no_spec or not self.t_verify:
+            return None
+        seconds = verify_seconds(self.t_verify, 1)
+        return 1.0 / seconds if seconds > 0 else None
+
+    def _plain_wins(self, value: float, ctl: DraftLengthController) -> bool:
+        """Is this round a plain step? The best drafter (``value`` tokens/s, controller ``ctl``) is beaten by
+        no speculation and no retry is due. Keeps the back-off count."""
+        plain = self.no_spec_value()
+        if plain is None or ctl.t_draft is None:  # nothing to compare, or a drafter never measured: it drafts
+            return False
+        if value >= plain:  # a drafter wins: the back-off starts over
+            self.plain_rounds, self.retry_after = 0, NO_SPEC_RETRY
+            return False
+        if self.plain_rounds < self.retry_after:
+            self.plain_rounds += 1
+            return True
+        self.plain_rounds, self.retry_after = 0, min(2 * self.retry_after, NO_SPEC_RETRY_MAX)  # retry: it drafts
+        return False
+
+    def _plain_step(self, request: DraftRequest) -> Draft:
+        """An empty draft [1, 0]: the engine runs one target step, which update() times as t_verify(1)."""
+        self._round = (None, None, 0, 0.0, time.perf_counter())
+        return Draft(torch.empty(1, 0, dtype=torch.long, device=request.device))
+
     def propose(self, request: DraftRequest) -> Draft:
         step = self._step_seconds()
         options = []  # (expected tokens/s, name, drafter, controller, K, draft or None, seconds spent)
@@ -110,9 +156,10 @@ class AutoDrafter:
                 value = ctl.tokens_per_second(K, t_draft=prior, extra_s=extra) if step else 0.0
                 options.append((value, name, d, ctl, K, None, 0.0))
         if not options:  # only cheap drafters and none found anything: a plain target step
-            self._round = None
-            return Draft(torch.empty(1, 0, dtype=torch.long, device=request.device))
-        _, name, d, ctl, K, draft, spent = max(options, key=lambda o: o[0])  # the first on ties
+            return self._plain_step(request)
+        value, name, d, ctl, K, draft, spent = max(options, key=lambda o: o[0])  # the first on ties
+        if self._plain_wins(value, ctl):
+            return self._plain_step(request)
         if draft is None:  # a drafter that ends its rounds itself (early_stop) gets the largest K as its cap
             t0 = time.perf_counter()
             cap = request.num_tokens if getattr(d, "early_stop", False) else K
@@ -135,5 +182,9 @@ class AutoDrafter:
         if self._round is None:
             return
         d, ctl, K, draft_s, handed_over = self._round
-        ctl.observe(K, num_accepted, draft_s, time.perf_counter() - handed_over)
+        verify_s = time.perf_counter() - handed_over
+        if d is None:  # a plain step: one target forward over 1 token
+            self.t_verify[1] = ema(self.t_verify.get(1), verify_s)
+            return
+        ctl.observe(K, num_accepted, draft_s, verify_s)
         d.update(num_accepted)

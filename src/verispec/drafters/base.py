@@ -43,9 +43,16 @@ class DraftRequest:
     logit_mask: torch.Tensor | None  # [vocab_size] bool, True = never propose (padding rows)
     device: torch.device | str = "cpu"  # where the target runs: Draft tensors go here
     verify_s: dict[int, float] | None = None  # verify size T -> recent seconds of a round besides drafting
+    # [>= len(context) - 1, F]: the target's residual streams after the drafter's ``feature_layers``, concatenated,
+    # row r = position r; rows 0 .. len(context) - 2 are committed (the last context token is not yet fed)
+    features: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
+    """A drafter may also set ``feature_layers`` (a tuple of target layer indices, 0 = embeddings, i = after layer
+    i): the engine then keeps those hidden states of every committed position and passes them as
+    ``DraftRequest.features``. Drafters without it get None."""
+
     def propose(self, request: DraftRequest) -> Draft: ...
 
     def update(self, num_accepted: int) -> None:

@@ -1,0 +1,65 @@
+"""An EAGLE-3 head drafts from the target's own hidden states (models/eagle.py).
+
+The engine hands over the target's features of every committed position (``feature_layers`` asks for them; see
+DraftRequest.features). Each round the head first catches up on the committed positions it has not read (the
+whole prompt the first time; after a verify pass the accepted rows), each row pairing the target's features at
+position r with the token at r + 1, then drafts K tokens in a chain, each step feeding its own output hidden state
+and the token it just proposed. Its KV cache keeps the committed rows only: the chain's rows are dropped at the
+start of the next round (a counter change). q is the head's distribution over its draft vocabulary, mapped to
+target ids (zero elsewhere), after the same temperature / top-k / top-p transform as the target's p.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.eagle import EagleHead
+from ..models.kv_cache import KVCache
+from ..sampling import argmax, logits_to_probs, mask_logits
+from .base import Draft, DraftRequest
+
+
+class EagleDrafter:
+    def __init__(self, head: EagleHead):
+        self.head = head
+        self.feature_layers = head.config.layers  # the target residual streams the engine must hand over
+        self.cache: KVCache | None = None
+        self.fed = 0  # committed rows in the head's cache: pairs (features at r, token at r + 1) for r < fed
+
+    def propose(self, request: DraftRequest) -> Draft:
+        ctx, K, head = request.context, request.num_tokens, self.head
+        n = len(ctx) - 1  # committed positions whose features the target has computed
+        feats = request.features  # [>= n, F]
+        dtype, device = head.dtype, feats.device
+        if self.cache is None or self.cache.capacity < request.capacity:
+            self.cache, self.fed = head.new_cache(request.capacity, dtype, device), 0
+        # 1. catch up: the committed rows the head has not read (dropping last round's chain rows)
+        self.cache.truncate(self.fed)
+        rows = feats[self.fed:n][None].to(dtype)  # [1, T, F]
+        tokens = torch.tensor([ctx[self.fed + 1:n + 1]], device=device)  # [1, T]
+        hidden = head.step(head.fc(rows), tokens, self.cache)[:, -1:]  # [1, 1, D]
+        self.fed = n
+        # 2. draft: K tokens in a chain on the head's own hidden states
+        tokens_out, probs_out = [], []
+        for i in range(K):
+            logits = self._target_logits(hidden, request)  # [1, V]
+            probs = None if request.params.greedy else logits_to_probs(logits, request.params)  # [1, V]
+            token = argmax(logits) if probs is None else torch.multinomial(probs, 1, generator=request.generator)[:, 0]
+            tokens_out.append(token)
+            if probs is not None:
+                probs_out.append(probs)
+            if i + 1 < K:
+                hidden = head.step(hidden, token[:, None], self.cache)  # [1, 1, D]
+        draft_probs = torch.stack(probs_out, dim=1) if probs_out else None  # [1, K, V] or None (greedy)
+        return Draft(torch.stack(tokens_out, dim=1), draft_probs)
+
+    def _target_logits(self, hidden: torch.Tensor, request: DraftRequest) -> torch.Tensor:
+        """The head's logits over its draft vocabulary [1, Vd] placed at their target ids: [1, V], -inf elsewhere."""
+        with torch.inference_mode():
+            draft = self.head.logits(hidden)[:, -1]  # [1, Vd]
+        full = draft.new_full((1, request.vocab_size), float("-inf"))
+        full[:, self.head.d2t] = draft
+        return mask_logits(full, request.logit_mask)
+
+    def update(self, num_accepted: int) -> None:
+        pass  # the chain's rows are dropped at the next catch-up (truncate to the committed rows)

@@ -1,0 +1,151 @@
+"""`verispec train-head`: extract the target's features from a corpus, then train an EAGLE-3 draft head on them.
+
+Both phases resume: extraction skips the sequences its shards hold, training (--resume) continues from the last
+checkpoint bit for bit. ``torchrun --nproc-per-node N verispec train-head ...`` splits both over N processes (gloo
+on CPU, nccl on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from ..errors import VerispecError
+from .train import TrainConfig
+
+
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        layers = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes comma-separated layer numbers, got {text!r}") from None
+    if not layers:
+        raise argparse.ArgumentTypeError("needs at least one layer")
+    return layers
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a positive integer, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive integer, got {text!r}")
+    return n
+
+
+def add_train_parser(sub) -> None:
+    from ..models.registry import DEFAULT_TARGET
+
+    d = TrainConfig()
+    p = sub.add_parser("train-head", help="train an EAGLE-3 draft head on a target's hidden states",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", default=DEFAULT_TARGET, help=f"model name, HF directory or .gguf (default: {DEFAULT_TARGET})")
+    p.add_argument("--data", nargs="+", required=True, metavar="FILE_OR_DIR",
+                   help="training text: directories (every text file under them), text files, or JSONL with "
+                        '"text", "messages" (a conversation) or "prompt" (the target answers it: self-distillation)')
+    p.add_argument("--out", required=True, help="directory for the head (config.json + model.safetensors), "
+                                                "checkpoint.pt and history.json")
+    p.add_argument("--layers", type=_layers, default=None, metavar="I,J,K",
+                   help="target residual streams the head reads (i = after layer i; default: 2, L/2, L-3; one layer "
+                        "gives EAGLE-1)")
+    p.add_argument("--draft-vocab", type=_positive, default=d.draft_vocab, metavar="N",
+                   help=f"tokens the head may propose: the N the target predicts most often in the data (default {d.draft_vocab})")
+    p.add_argument("--steps", type=_positive, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--features", default=None, metavar="DIR", help="feature shards (default: OUT/features)")
+    p.add_argument("--extract-tokens", type=_positive, default=262144, help="training tokens to extract (default 262144)")
+    p.add_argument("--heldout-tokens", type=_positive, default=8192, help="held-out tokens (default 8192)")
+    p.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (default 512)")
+    p.add_argument("--topk", type=_positive, default=16, help="target log-probabilities kept per position (default 16)")
+    p.add_argument("--self-distill-tokens", type=_positive, default=256,
+                   help='tokens the target writes per "prompt" record (default 256)')
+    p.add_argument("--ttt-steps", type=_positive, default=d.ttt_steps,
+                   help=f"training-time test: steps the head is unrolled on its own outputs (default {d.ttt_steps})")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
+    p.add_argument("--batch", type=_positive, default=d.batch, help="sequences per step and process (default 1)")
+    p.add_argument("--init", choices=["target", "random"], default=d.init,
+                   help="the head's layer starts as the target's last layer (default) or random")
+    p.add_argument("--ckpt-every", type=_positive, default=d.ckpt_every, help="steps between checkpoints")
+    p.add_argument("--eval-every", type=_positive, default=d.eval_every, help="steps between held-out evaluations")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def run_train(args) -> int:
+    import torch
+
+    from ..llm import LLM
+    from ..models.eagle import EagleHead, HeadConfig
+    from ..models.loader import load
+    from .extract import extract
+    from .train import Trainer, draft_vocabulary, init_head, load_split
+
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".writable"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise VerispecError(f"--out {out}: not writable ({e.strerror or e})") from None
+    for path in args.data:
+        if not Path(path).exists():
+            raise VerispecError(f"--data {path}: no such file or directory")
+    ckpt = out / "checkpoint.pt"
+    if args.resume and not ckpt.exists():
+        raise VerispecError(f"--resume: no checkpoint at {ckpt}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    progress = not args.no_progress
+    features = Path(args.features) if args.features else out / "features"
+
+    # 1. features: the target as inference runs it (native GGUF weights on CPU)
+    llm = LLM(args.target, progress=progress and rank == 0)
+    layers = args.layers or HeadConfig.for_target(llm.target.config, None, 1).layers
+    HeadConfig.for_target(llm.target.config, layers, 1)  # checks the layer numbers
+    report = extract(llm, args.data, features, layers, args.seq_len, args.extract_tokens, args.heldout_tokens,
+                     args.topk, args.seed, args.self_distill_tokens, rank, world, progress)
+    for split, r in report.items():
+        if r["sequences"] and rank == 0:
+            print(f"extracted {r['sequences'] * args.seq_len} {split} tokens in {r['seconds']} s "
+                  f"({r['tokens_per_s']} tokens/s)", file=sys.stderr)
+    eos = llm.eos_token_ids
+    target_source = llm.target.source
+    del llm
+    if world > 1:
+        torch.distributed.barrier()
+
+    # 2. the head, on the target's dense weights (embedding, LM head rows, last layer for the initial values)
+    target = load(args.target, torch.bfloat16, "cpu", progress=False, weights="dequantized")
+    train, heldout = load_split(features, "train"), load_split(features, "heldout")
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    hc = HeadConfig.for_target(target.config, layers, cfg.draft_vocab)
+    head = EagleHead(hc)
+    head.d2t = draft_vocabulary(train["topk_ids"][..., 0], hc.draft_vocab_size, hc.vocab_size, eos)
+    init_head(head, target.model, cfg.init, cfg.seed)
+    head.attach_embedding(target.model.embed_tokens)
+    trainer = Trainer(head, cfg, train, heldout, out, rank, world,
+                      log=lambda line: print(line, file=sys.stderr))
+    if args.resume:
+        trainer.load(ckpt)
+    if rank == 0:
+        print(f"training a head on {train['tokens'].numel()} tokens from {target_source}: draft vocabulary "
+              f"{hc.draft_vocab_size}, layers {','.join(map(str, layers))}, steps {trainer.step}..{cfg.steps}",
+              file=sys.stderr)
+    final = trainer.run(progress)
+    if rank == 0:
+        print(f"head written to {out} (held-out tau {final.get('heldout_tau')})", file=sys.stderr)
+    if world > 1:
+        torch.distributed.destroy_process_group()
+    return 0
+
