@@ -1,8 +1,8 @@
 """`verispec train-head`: extract the target's features from a corpus, then train an EAGLE-3 draft head on them.
 
 Both phases resume: extraction skips the sequences its shards hold, training (--resume) continues from the last
-checkpoint bit for bit. ``torchrun --nproc-per-node N verispec train-head ...`` splits both over N processes (gloo
-on CPU, nccl on a GPU).
+checkpoint bit for bit. ``torchrun --nproc-per-node N -m verispec.cli train-head ...`` splits both over N
+processes (gloo on CPU, nccl on a GPU).
 """
 
 from __future__ import annotations
