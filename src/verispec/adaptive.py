@@ -23,7 +23,8 @@ def ema(old: float | None, new: float, decay: float = 0.8) -> float:
 def verify_seconds(table: dict[int, float], T: int) -> float:
     """Seconds of a target forward over T tokens from those measured (size -> seconds, non-empty): linear
     between measured sizes, extended past them with the slope of the two nearest (never negative), or with
-    the prior slope while only one size is known."""
+    the prior slope while only one size is known. Below the smallest size, never under T / near of it (a
+    forward's cost per token only falls with T): a line through two noisy timings could reach zero there."""
     if T in table:
         return table[T]
     sizes = sorted(table)
@@ -37,7 +38,7 @@ def verify_seconds(table: dict[int, float], T: int) -> float:
     a, b = sizes[-2:] if hi is None else sizes[:2]
     slope = max((table[b] - table[a]) / (b - a), 0.0)
     near = b if hi is None else a
-    return max(table[near] + slope * (T - near), 0.0)
+    return max(table[near] + slope * (T - near), table[near] * min(T / near, 1.0))
 
 
 class Calibration:

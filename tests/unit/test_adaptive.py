@@ -84,6 +84,8 @@ def test_verify_seconds_interpolates_and_extends_measured_sizes():
     assert verify_seconds(table, 10) == pytest.approx(0.24)  # past them: the slope of the last two
     assert verify_seconds(table, 1) == pytest.approx(0.09)  # below them: the slope of the first two
     assert verify_seconds({2: 0.10, 3: 0.09}, 6) == pytest.approx(0.09)  # a noisy negative slope: flat
+    # below them a steep noisy slope would reach zero (and a cheap drafter's rate infinity): T / near of it
+    assert verify_seconds({3: 0.01, 5: 0.50}, 2) == pytest.approx(0.01 * 2 / 3)
     assert verify_seconds({2: 0.1}, 5) == pytest.approx(0.1 * (1 + 0.03 * 4) / 1.03)  # one size: the prior slope
 
 
