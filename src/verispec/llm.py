@@ -65,7 +65,7 @@ class LLM:
             torch.set_num_threads(threads)
         self.device = self.engine_config.resolved_device()
         self._draft_source = draft or DEFAULT_DRAFT.get(target)
-        self._head_source = head or DEFAULT_HEAD.get(target)
+        self._head_source, self._head_given = head or DEFAULT_HEAD.get(target), head is not None
         self.head: EagleHead | None = None
         ec = self.engine_config
         self.dtype = (auto_dtype(target, ec.weights, self.device, self._draft_source) if ec.dtype == "auto"
@@ -103,8 +103,10 @@ class LLM:
 
     @property
     def has_head(self) -> bool:
-        """Whether a draft head was given or ships for this target (method eagle can run)."""
-        return self.head is not None or (self._head_source is not None and Path(self._head_source).exists())
+        """Whether a draft head was given (then it must load: a bad one is an error, not skipped) or ships for this
+        target."""
+        return self.head is not None or self._head_given or (self._head_source is not None
+                                                               and Path(self._head_source).exists())
 
     def eagle_head(self) -> EagleHead:
         """The EAGLE-3 draft head (``head=`` or the one that ships for the default target), loaded and checked

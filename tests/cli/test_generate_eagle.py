@@ -56,8 +56,9 @@ def test_bad_heads_are_one_line(capsys, setup, case):
         head.mkdir(exist_ok=True)
         (head / "config.json").write_text((root / "head" / "config.json").read_text())
         (head / "model.safetensors").write_bytes(b"\x00garbage" * 50)
-    rc, out, err = run_main(capsys, gen(setup["target"], "--method", "eagle", "--head", str(head)))
-    assert_one_error_line(rc, out, err)
-    assert "head" in err
+    for method in ("eagle", "auto"):  # a head asked for is never skipped, whichever method would use it
+        rc, out, err = run_main(capsys, gen(setup["target"], "--method", method, "--head", str(head)))
+        assert_one_error_line(rc, out, err)
+        assert "head" in err
     if case == "mismatch":
         assert "hidden_size 96 != 64" in err
