@@ -7,7 +7,7 @@ wide), a final norm and an LM head over a reduced draft vocabulary; ``d2t`` maps
 Its output hidden state is the next step's input in place of the target's features.
 
 The tensors are named as the EAGLE authors and SpecForge publish them (``fc``, ``midlayer.*``, ``norm``,
-``lm_head``, ``d2t``, ``t2d``), so a public head for a supported target loads (load_head). Our own files may
+``lm_head``, ``d2t``, ``t2d``), so a public head for a supported target loads (read_head). Our own files may
 leave ``lm_head`` out (the target's rows for the draft vocabulary, frozen: EAGLE-1 style, a smaller file) and
 store matrices as int8 with a per-row scale (``NAME.weight`` int8 + ``NAME.weight_scale``).
 """
