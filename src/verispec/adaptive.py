@@ -132,8 +132,11 @@ class DraftLengthController:
         return max(range(lo, hi + 1), key=lambda k: (self.tokens_per_second(k), -k))
 
     def observe(self, K: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
-        for i in range(min(num_accepted + 1, K)):  # position i was judged iff all before it were accepted
-            self.acceptance[i] = self._ema(self.acceptance[i], float(i < num_accepted))
+        # position i was judged iff all before it were accepted; its estimate starts from the prior, so that
+        # one unlucky first round does not read as "never accepted" (and switch the drafter off for good)
+        before = self.rates()
+        for i in range(min(num_accepted + 1, K)):
+            self.acceptance[i] = self._ema(before[i], float(i < num_accepted))
         if K:
             self.t_draft = self._ema(self.t_draft, draft_s / K)
         self.t_verify[K + 1] = self._ema(self.t_verify.get(K + 1), verify_s)

@@ -77,6 +77,7 @@ class LLM:
         self.draft: LoadedModel | None = None
         self.draft_calibrations: dict = {}  # the draft model's confidence -> acceptance, per sampling setting
         self.draft_prefixes = PrefixCache()  # the draft's KV cache from the last request (drafters/draft_model.py)
+        self.auto_memory: dict = {}  # what method auto measured (costs, acceptance), for the next request
         if draft:
             self.draft_model()
 
@@ -135,6 +136,7 @@ class LLM:
         other = copy.copy(self)
         other.engine_config = dataclasses.replace(self.engine_config, draft_quant=draft_quant)
         other.draft, other.draft_calibrations, other.draft_prefixes = None, {}, PrefixCache()
+        other.auto_memory = {}
         return other
 
     @property

@@ -59,8 +59,8 @@ def test_first_round_drafts_the_most_then_learns():
 def test_unjudged_positions_take_the_last_judged_estimate():
     c = DraftLengthController(1, 4, prior_acceptance=0.5)
     assert c.rates() == [0.5] * 4
-    c.observe(2, 1, 0.01, 0.1)  # position 1 accepted, position 2 rejected
-    assert c.rates() == [1.0, 0.0, 0.0, 0.0]
+    c.observe(2, 1, 0.01, 0.1)  # position 1 accepted, position 2 rejected: each moves from the prior (EMA 0.8)
+    assert c.rates() == pytest.approx([0.6, 0.4, 0.4, 0.4])
     assert c.t_draft == pytest.approx(0.005) and c.t_verify == {3: 0.1}
 
 

@@ -11,7 +11,7 @@ import torch
 
 import verispec.drafters.auto
 from verispec.config import SamplingParams
-from verispec.drafters.auto import NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, AutoDrafter
+from verispec.drafters.auto import NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, SPEC_MARGIN, AutoDrafter
 from verispec.drafters.base import Draft, DraftRequest
 
 
@@ -49,9 +49,9 @@ class Model:
         self.updates.append(n)
 
 
-def request(context_len=100, new_left=200, K=4):
+def request(context_len=100, new_left=200, K=4, params=SamplingParams()):
     ctx = list(range(context_len))
-    return DraftRequest(ctx, K, SamplingParams(), None, context_len + new_left + K + 1, 1000, None)
+    return DraftRequest(ctx, K, params, None, context_len + new_left + K + 1, 1000, None)
 
 
 def trained_auto(k_max=4):
@@ -96,7 +96,7 @@ def test_a_long_catch_up_counts_against_the_draft_model_less_when_many_tokens_re
     auto, lookup, model = trained_auto()
     lookup.tokens, lookup.last_match = [1, 2, 3, 4], 1  # a mediocre n-gram option is on the table
     auto.controller("ngram", 1).acceptance = [0.2] * 4
-    auto.t_catch_up = 0.002  # 2 ms per token of catch-up
+    auto.t_catch_up["draft", True] = 0.002  # 2 ms per token of a long catch-up
     model.behind = 400  # the draft model never ran: it would first prefill 400 tokens (0.8 s)
     # 8 tokens left: 0.8 s is not worth it; 2000 left: the prefill pays back over the rounds to come
     assert auto.propose(request(new_left=new_left)).source == chosen
@@ -113,8 +113,32 @@ def test_catch_up_time_is_learned_per_token_and_kept_out_of_the_draft_cost():
     model.propose = long_propose
     auto.propose(request())
     auto.update(3)
-    assert auto.t_catch_up == 0.002
+    assert auto.t_catch_up["draft", True] == 0.002
     assert auto.controller("draft").t_draft < 0.05  # 0.6 s of catch-up not billed as drafting
+
+
+def test_what_auto_measured_carries_over_to_the_next_request_with_the_same_sampling():
+    memory = {}
+    first = AutoDrafter({"draft": Model()}, 1, 4, memory=memory)
+    first.propose(request())
+    first.update(2)
+    assert first.t_verify and first.controller("draft").t_draft is not None
+    second = AutoDrafter({"draft": Model()}, 1, 4, memory=memory)
+    second.propose(request())  # its first round continues from the first request's estimates
+    assert second.controllers is first.controllers and second.t_verify is first.t_verify
+    sampled = AutoDrafter({"draft": Model()}, 1, 4, memory=memory)
+    sampled.propose(request(params=SamplingParams(temperature=0.7)))  # another sampling setting: its own record
+    assert sampled.controllers is not first.controllers and not sampled.t_verify
+    assert len(memory) == 2
+
+
+def test_one_bad_first_round_lowers_a_drafter_it_does_not_switch_it_off(clock):
+    auto, model = slow_auto(clock, acceptance=0.95)
+    ctl = auto.controller("draft")
+    ctl.acceptance = [None] * 4  # nothing judged yet: the prior, 0.6
+    auto.t_verify[1] = 0.05
+    play(auto, clock, 1)  # all rejected
+    assert ctl.rates() == pytest.approx([0.48] * 4)
 
 
 def test_nothing_to_propose_is_a_plain_step():
@@ -150,9 +174,15 @@ def test_a_long_match_never_tried_is_weighed_at_the_prior(draft_acceptance, chos
     # accepted 70% of the time, not beside one that is never wrong
     assert auto.propose(request()).source == chosen
     auto.update(0)
-    if chosen == "ngram":  # it was wrong: now it has a record, and the draft model wins
+    if chosen == "ngram":  # it was wrong: now it has a record, falling from the prior with each miss (EMA 0.8:
+        # 0.48, 0.38, 0.31), and after a few misses the draft model wins
         assert auto.controller("ngram", 3).t_draft is not None
-        assert auto.propose(request()).source == "draft"
+        sources = []
+        for _ in range(5):
+            auto.t_verify.update({T: 0.05 for T in range(1, 6)})  # the verify cost stays flat at 50 ms
+            sources.append(auto.propose(request()).source)
+            auto.update(0)
+        assert sources[0] == "ngram" and "draft" in sources[:4]
 
 
 def test_a_short_match_without_a_record_is_not_tried_beside_a_draft_model():
@@ -196,6 +226,7 @@ def slow_auto(clock, acceptance=0.1, t_draft=0.02, allow_no_spec=True):
     """auto with one draft model, measured: ``acceptance`` at every position, ``t_draft`` s per drafted token,
     verify 50 ms at every size but 1 (not measured yet)."""
     model = TimedModel(clock, t_draft)
+    model.behind = 0  # in step with the context: no catch-up to pay
     auto = AutoDrafter({"draft": model}, 1, 4, allow_no_spec=allow_no_spec)
     auto.t_verify.update({T: 0.05 for T in range(2, 6)})
     ctl = auto.controller("draft")
@@ -230,8 +261,8 @@ def test_slow_poor_drafts_lose_to_a_plain_step_valued_at_one_over_the_measured_v
     assert model.updates == []  # a switched-off drafter learns nothing
     assert auto.t_verify[1] == pytest.approx(0.04)  # the plain round measured t_verify(1)
     assert auto.no_spec_value() == pytest.approx(25.0)
-    # the decision turns on 1 / t_verify(1): just below the drafter's value it drafts, just above it does not
-    value = drafter_value(auto)
+    # the decision turns on 1 / t_verify(1): a drafter must promise SPEC_MARGIN times a plain step's rate
+    value = drafter_value(auto) / SPEC_MARGIN
     auto.t_verify[1] = 1 / (0.99 * value)
     assert auto.propose(request()).source == "draft"
     auto.t_verify[1] = 1 / (1.01 * value)
@@ -261,9 +292,10 @@ def test_plain_rounds_retry_the_drafter_with_back_off_and_drafting_returns_when_
     assert NO_SPEC_RETRY == 4 and NO_SPEC_RETRY_MAX == 64
     assert model.updates == [0] * 6 and auto.t_verify[1] == pytest.approx(0.05)
     # the text turns predictable: each retry is fully accepted; acceptance at position 1 climbs (EMA 0.8) from
-    # 0.03 to 0.22, 0.38, 0.50: the third retry makes K=1 worth 1.5 / 0.07 = 21.5/s > 20/s, and drafting stays
-    rounds = play(auto, clock, 64 + 1 + 64 + 1 + 64 + 1 + 20, accept_all=True)
-    assert rounds == "P" * 64 + "D" + "P" * 64 + "D" + "P" * 64 + "D" * 21
+    # 0.03 to 0.22, 0.38, 0.50, 0.60: the fourth retry makes K=1 worth 1.6 / 0.07 = 22.9/s, over SPEC_MARGIN x
+    # 20/s, and drafting stays
+    rounds = play(auto, clock, 4 * (64 + 1) + 20, accept_all=True)
+    assert rounds == ("P" * 64 + "D") * 3 + "P" * 64 + "D" * 21
     assert auto.plain_rounds == 0 and auto.retry_after == NO_SPEC_RETRY  # a drafter won: the back-off starts over
     assert drafter_value(auto) > auto.no_spec_value()
 
@@ -275,3 +307,12 @@ def test_a_drafter_is_tried_before_it_is_switched_off(clock):
     auto = AutoDrafter({"draft": model}, 1, 4)
     auto.t_verify[1] = 0.001  # a plain step looks far better, but the draft model has no record of its own
     assert auto.propose(request()).source == "draft"
+
+
+def test_no_retry_that_would_first_read_a_long_stretch(clock):
+    auto, model = slow_auto(clock)
+    model.behind = 300  # the draft model skipped the prompt: a retry would prefill 300 tokens (0.6 s, 12 steps)
+    auto.t_catch_up["draft", True] = 0.002
+    assert play(auto, clock, 40) == "P" * 40 and model.proposed == []
+    model.behind = 20  # 40 ms of catch-up (under RETRY_MAX_CATCH_UP target steps): the overdue retry comes at once
+    assert play(auto, clock, 5) == "D" + "P" * 4

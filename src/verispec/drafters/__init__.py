@@ -20,7 +20,8 @@ def _draft_model(llm, spec) -> DraftModelDrafter:
 
 def _auto(llm, spec) -> AutoDrafter:
     """Every drafter that can run here, cheapest first (n-gram; a draft head and a draft model when the target has
-    them); plain decoding is always an option too (drafters/auto.py)."""
+    them); plain decoding is always an option too (drafters/auto.py). What it measures is kept by the LLM for the next
+    request."""
     candidates = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
     if llm.has_head:  # a head given, or one that ships for this target (a broken one is an error, not skipped)
         candidates["eagle"] = EagleDrafter(llm.eagle_head())
@@ -28,7 +29,7 @@ def _auto(llm, spec) -> AutoDrafter:
         candidates["draft"] = _draft_model(llm, spec)
     except VerispecError:
         pass  # no draft model for this target: n-gram lookup alone
-    return AutoDrafter(candidates, spec.min_draft_tokens, spec.num_draft_tokens)
+    return AutoDrafter(candidates, spec.min_draft_tokens, spec.num_draft_tokens, memory=llm.auto_memory)
 
 
 METHODS = {

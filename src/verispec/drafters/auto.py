@@ -10,19 +10,29 @@ yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K +
   4-token match continues far more often than a 1-token one. K is then cut to the best length for them.
   A cheap draft with no record yet (a match length never tried) is valued at the prior acceptance if its
   match is long enough (TRY_MIN_MATCH), else not at all: it is tried when that beats the draft model.
-- An expensive drafter (the draft model) is valued at the K it would choose, plus the catch-up it would
-  need first: a draft model that sat out rounds (or never ran: the whole prompt) must feed the tokens its
-  cache lacks before it drafts. That one-off cost is spread over the rounds left in the generation. Before
-  its first round it is valued with priors in units of one target step (PRIOR_C per drafted token,
-  PRIOR_CATCH_UP per catch-up token: measured ratios for the 0.5B draft of the 1.5B target on CPU, where
-  PRIOR_C is 0.14 (4-bit draft, bf16 target) to 0.4 (native target); the prior sits between them).
+- An expensive drafter (a draft model, a draft head) is valued at the K it would choose, plus the catch-up it
+  needs first: a drafter that sat out rounds (or never ran: the whole prompt) must feed what its cache lacks.
+  A short catch-up is this round's cost; a long one (a prompt) is a one-off, spread over the rounds left. Catch-up
+  time is learned per token (short and long apart) and kept out of the per-token draft cost. Before its first
+  round a drafter is valued with priors in units of one target step (PRIOR_C per drafted token, PRIOR_CATCH_UP
+  per catch-up token: measured ratios for the 0.5B draft of the 1.5B target on CPU, where PRIOR_C is 0.14 (4-bit
+  draft, bf16 target) to 0.4 (native target); the prior sits between them).
+- Acceptance estimates start from the prior (0.6 a position) and move by an EMA: one unlucky first round lowers
+  a drafter's estimate, it does not switch it off.
+- What auto measures is kept across requests (``memory``, held by the LLM per drafter set, K range and sampling
+  setting): a new request starts from the last one's estimates, so a drafter is not explored again on every
+  request (the head's first round reads the whole prompt; on CPU that costs a few target steps). The price: a
+  drafter that the last requests rated low is tried again only when a retry is cheap (RETRY_MAX_CATCH_UP), so on
+  a CPU where it barely pays it may sit out a request it would have won (measured: docs/BENCHMARKS.md, "auto").
 
 - No speculation (K = 0, an empty draft: the engine runs a plain target step) is an option too, worth
-  ``1 / t_verify(1)`` tokens per second (one target forward per token). It is taken when it beats every
-  drafter, once the best drafter has a record of its own (a drafter never measured is tried first, and
+  ``1 / t_verify(1)`` tokens per second (one target forward per token). It is taken unless a drafter promises
+  SPEC_MARGIN times more, once the best drafter has a record of its own (a drafter never measured is tried first, and
   before any verify is measured auto drafts). A plain round is timed like any other: it measures
   t_verify(1). Switched-off drafters learn nothing, so after a run of plain rounds the best drafter drafts
-  once more for fresh evidence: after NO_SPEC_RETRY plain rounds, then twice as many after each retry that
+  once more for fresh evidence (unless it would first spend more than RETRY_MAX_CATCH_UP target steps catching up,
+  e.g. on a prompt it never read):
+  after NO_SPEC_RETRY plain rounds, then twice as many after each retry that
   loses (at most NO_SPEC_RETRY_MAX), back to NO_SPEC_RETRY when a drafter wins. A context that turns
   predictable gets speculation back. ``allow_no_spec=False`` always drafts.
 
@@ -33,7 +43,7 @@ Exactness is the verifier's business, whatever drafter is picked.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,32 +52,58 @@ from ..costmodel import expected_tokens_per_round
 from .base import Draft, DraftRequest
 
 PRIOR_C = 0.25  # draft seconds per drafted token / target seconds per step, before the draft model ran
-PRIOR_CATCH_UP = 0.03  # the same for each token of a long catch-up (a batched prefill is cheap per token)
+PRIOR_CATCH_UP = 0.03  # the same for each token of a catch-up (fed together: cheap per token)
 TRY_MIN_MATCH = 3  # an n-gram match this long is valued at the prior without a record (shorter: only with a
 # record, or alone); in auto on 15 suite prompts (one-off count) untried 1-gram matches got 1 of 81 drafts
 # accepted, 2-grams 7 of 60, 3- and 4-grams 23 of 49
-LONG_CATCH_UP = 16  # catch-ups longer than this take the prefill path: their per-token cost is learned
+LONG_CATCH_UP = 16  # catch-ups longer than this take the prefill path: a one-off, learned per token apart
 NO_SPEC_RETRY = 4  # plain rounds in a row before the best drafter drafts again; doubled after each losing retry
 NO_SPEC_RETRY_MAX = 64  # the longest wait between retries
+RETRY_MAX_CATCH_UP = 2.0  # a retry may first spend this many target steps catching up, no more
+SPEC_MARGIN = 1.1  # a drafter must promise this much more than a plain step: near break-even the estimate errs
+# (a draft model valued at 1.0x of plain decoding on multilingual prompts ran at 0.87-0.89x; 2-core Zen 3, 4 prompts)
+
+
+@dataclass
+class AutoMemory:
+    """What auto has measured: the target's verify cost per forward size, a DraftLengthController per (drafter,
+    match length) and each drafter's catch-up seconds per token, keyed (drafter, long)."""
+
+    t_verify: dict[int, float] = field(default_factory=dict)
+    controllers: dict[tuple[str, int | None], DraftLengthController] = field(default_factory=dict)
+    t_catch_up: dict[tuple[str, bool], float] = field(default_factory=dict)
 
 
 class AutoDrafter:
     adaptive = True  # chooses its own lengths: the engine must not wrap it again
 
-    def __init__(self, drafters: dict[str, object], k_min: int, k_max: int, allow_no_spec: bool = True):
+    def __init__(self, drafters: dict[str, object], k_min: int, k_max: int, allow_no_spec: bool = True,
+                 memory: dict | None = None):
         self.drafters = drafters
         # the target hidden states a delegate reads (an EAGLE head): the engine keeps them for all
         self.feature_layers = next((tuple(d.feature_layers) for d in drafters.values()
                                     if getattr(d, "feature_layers", ())), ())
         self.k_min, self.k_max = k_min, k_max
         self.allow_no_spec = allow_no_spec  # a plain target step (K = 0) may be chosen
-        self.t_verify: dict[int, float] = {}  # the target's cost per forward size, learned from every round
-        self.controllers: dict[tuple[str, int | None], DraftLengthController] = {}
-        self.t_catch_up: float | None = None  # EMA seconds per token of a long catch-up
+        self._memories = memory  # kept across requests: key -> AutoMemory, looked up in the first round
+        self._use(AutoMemory())
         self.plain_rounds = 0  # plain rounds chosen in a row since the last drafter round
         self.retry_after = NO_SPEC_RETRY  # plain rounds before the best drafter drafts again
         # (drafter, controller, K, draft seconds, hand-over time); drafter and controller None: a plain step
         self._round: tuple | None = None
+
+    def _use(self, memory: AutoMemory) -> None:
+        self.memory = memory
+        self.t_verify = memory.t_verify  # the target's cost per forward size, learned from every round
+        self.controllers = memory.controllers
+        self.t_catch_up = memory.t_catch_up
+
+    def _remember(self, request: DraftRequest) -> None:
+        """First round: continue from what earlier requests with these drafters and this sampling setting measured."""
+        p = request.params
+        key = (tuple(self.drafters), self.k_min, self.k_max, p.temperature, p.top_k, p.top_p)
+        self._use(self._memories.setdefault(key, self.memory))
+        self._memories = None
 
     def controller(self, name: str, match: int | None = None) -> DraftLengthController:
         key = (name, match)
@@ -78,16 +114,19 @@ class AutoDrafter:
     def _step_seconds(self) -> float | None:
         return min(self.t_verify.values()) if self.t_verify else None  # ~ one target step
 
-    def _catch_up_seconds(self, drafter, request: DraftRequest, ctl: DraftLengthController, K: int,
-                          step: float | None) -> float:
-        """The catch-up this round would pay beyond a normal draft step, spread over the rounds left."""
+    def _catch_up_seconds(self, name: str, drafter, request: DraftRequest, step: float) -> tuple[float, bool]:
+        """Seconds this drafter would spend catching up before its next draft, and whether that is a long stretch."""
         lag = drafter.lag(request.context) if hasattr(drafter, "lag") else 0
-        if lag <= 2 or step is None:
-            return 0.0
-        per_token = self.t_catch_up if self.t_catch_up is not None else PRIOR_CATCH_UP * step
+        long = lag > LONG_CATCH_UP
+        return max(lag, 0) * self.t_catch_up.get((name, long), PRIOR_CATCH_UP * step), long
+
+    @staticmethod
+    def _spread(seconds: float, long: bool, request: DraftRequest, ctl: DraftLengthController, K: int) -> float:
+        """A catch-up's share of this round: a short one in full, a long one (a one-off) over the rounds left."""
+        if not long:
+            return seconds
         left = max(request.capacity - len(request.context) - request.num_tokens - 1, 1)  # new tokens still to come
-        rounds_left = max(left / expected_tokens_per_round(ctl.rates()[:K]), 1.0)
-        return lag * per_token / rounds_left
+        return seconds / max(left / expected_tokens_per_round(ctl.rates()[:K]), 1.0)
 
     @staticmethod
     def _cheap_value(ctl: DraftLengthController, K: int, match: int | None, step: float | None) -> float:
@@ -113,16 +152,18 @@ class AutoDrafter:
         seconds = verify_seconds(self.t_verify, 1)
         return 1.0 / seconds if seconds > 0 else None
 
-    def _plain_wins(self, value: float, ctl: DraftLengthController) -> bool:
-        """Is this round a plain step? The best drafter (``value`` tokens/s, controller ``ctl``) is beaten by
-        no speculation and no retry is due. Keeps the back-off count."""
+    def _plain_wins(self, value: float, ctl: DraftLengthController, catch_up: float) -> bool:
+        """Is this round a plain step? The best drafter (``value`` tokens/s, controller ``ctl``, ``catch_up``
+        seconds to spend before it drafts) is beaten by no speculation and no retry is due. A retry must be cheap:
+        never one whose catch-up costs more than RETRY_MAX_CATCH_UP target steps (a draft model reading a long
+        prompt it skipped can cost as much as the whole generation saves). Keeps the back-off count."""
         plain = self.no_spec_value()
         if plain is None or ctl.t_draft is None:  # nothing to compare, or a drafter never measured: it drafts
             return False
-        if value >= plain:  # a drafter wins: the back-off starts over
+        if value >= SPEC_MARGIN * plain:  # a drafter wins: the back-off starts over
             self.plain_rounds, self.retry_after = 0, NO_SPEC_RETRY
             return False
-        if self.plain_rounds < self.retry_after:
+        if self.plain_rounds < self.retry_after or catch_up > RETRY_MAX_CATCH_UP * verify_seconds(self.t_verify, 1):
             self.plain_rounds += 1
             return True
         self.plain_rounds, self.retry_after = 0, min(2 * self.retry_after, NO_SPEC_RETRY_MAX)  # retry: it drafts
@@ -134,8 +175,12 @@ class AutoDrafter:
         return Draft(torch.empty(1, 0, dtype=torch.long, device=request.device))
 
     def propose(self, request: DraftRequest) -> Draft:
+        if self._memories is not None:
+            self._remember(request)
         step = self._step_seconds()
-        options = []  # (expected tokens/s, name, drafter, controller, K, draft or None, seconds spent)
+        # (expected tokens/s, name, drafter, controller, K, draft or None, seconds: spent proposing (cheap) or
+        # to spend catching up first (expensive))
+        options = []
         for name, d in self.drafters.items():
             if getattr(d, "cheap", False):  # propose now, value the draft it really has
                 t0 = time.perf_counter()
@@ -152,30 +197,31 @@ class AutoDrafter:
                 ctl = self.controller(name)
                 K = ctl.choose(request.num_tokens)
                 prior = None if step is None else PRIOR_C * step
-                extra = self._catch_up_seconds(d, request, ctl, K, step)
+                catch_up, long = self._catch_up_seconds(name, d, request, step) if step else (0.0, False)
+                extra = self._spread(catch_up, long, request, ctl, K)
                 value = ctl.tokens_per_second(K, t_draft=prior, extra_s=extra) if step else 0.0
-                options.append((value, name, d, ctl, K, None, 0.0))
+                options.append((value, name, d, ctl, K, None, catch_up))
         if not options:  # only cheap drafters and none found anything: a plain target step
             return self._plain_step(request)
         value, name, d, ctl, K, draft, spent = max(options, key=lambda o: o[0])  # the first on ties
-        if self._plain_wins(value, ctl):
+        if self._plain_wins(value, ctl, 0.0 if draft is not None else spent):
             return self._plain_step(request)
         if draft is None:  # a drafter that ends its rounds itself (early_stop) gets the largest K as its cap
             t0 = time.perf_counter()
             cap = request.num_tokens if getattr(d, "early_stop", False) else K
             draft = d.propose(replace(request, num_tokens=cap))
             spent = time.perf_counter() - t0
-            spent -= self._learn_catch_up(d)
+            spent -= self._learn_catch_up(name, d)
         self._round = (d, ctl, draft.tokens.shape[1], spent, time.perf_counter())
         return replace(draft, source=name)
 
-    def _learn_catch_up(self, drafter) -> float:
+    def _learn_catch_up(self, name: str, drafter) -> float:
         """Seconds of this round's draft time that were catch-up (learned per token), not drafting."""
         tokens, seconds = getattr(drafter, "catch_up", (0, 0.0))
-        if tokens <= LONG_CATCH_UP:
-            return 0.0  # a short catch-up is a draft step: part of t_draft
-        per_token = seconds / tokens
-        self.t_catch_up = ema(self.t_catch_up, per_token)
+        if tokens <= 0:
+            return 0.0
+        key = (name, tokens > LONG_CATCH_UP)
+        self.t_catch_up[key] = ema(self.t_catch_up.get(key), seconds / tokens)
         return seconds
 
     def update(self, num_accepted: int) -> None:

@@ -39,7 +39,7 @@ class DraftModelDrafter:
         self.confidences: list[float] = []  # this round's, one per proposed token (early_stop only)
         self.cache: KVCache | None = None  # holds context[:cache.length]; the engine's context is the truth
         self.num_proposed = 0  # K of this round, for update()
-        self.catch_up = (0, 0.0)  # (tokens, seconds) of this round's first forward: the catch-up and draft 1
+        self.catch_up = (0, 0.0)  # (tokens, seconds) fed this round to catch up, and their cost beyond a draft step
 
     def lag(self, context: list[int]) -> int:
         """Tokens of ``context`` the draft cache lacks: the next round's first forward feeds them all."""
@@ -71,7 +71,7 @@ class DraftModelDrafter:
             # 2. the first forward carries the catch-up; the others are plain draft steps
             seconds = time.perf_counter() - t0
             if i == 0:
-                self.catch_up = (fed, seconds)
+                self.catch_up = (fed, max(seconds - (self.t_draft or 0.0), 0.0))
             else:
                 self.t_draft = ema(self.t_draft, seconds)
             # 3. early stop: is one more draft token worth its draft step and verify row?

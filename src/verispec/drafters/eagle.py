@@ -11,6 +11,8 @@ target ids (zero elsewhere), after the same temperature / top-k / top-p transfor
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..models.eagle import EagleHead
@@ -25,6 +27,11 @@ class EagleDrafter:
         self.feature_layers = head.config.layers  # the target residual streams the engine must hand over
         self.cache: KVCache | None = None
         self.fed = 0  # committed rows in the head's cache: pairs (features at r, token at r + 1) for r < fed
+        self.catch_up = (0, 0.0)  # (rows, seconds) of this round's catch-up
+
+    def lag(self, context: list[int]) -> int:
+        """Committed rows the head has not read: the next round's catch-up feeds them all."""
+        return len(context) - 1 - (self.fed if self.cache is not None else 0)
 
     def propose(self, request: DraftRequest) -> Draft:
         ctx, K, head = request.context, request.num_tokens, self.head
@@ -34,10 +41,12 @@ class EagleDrafter:
         if self.cache is None or self.cache.capacity < request.capacity:
             self.cache, self.fed = head.new_cache(request.capacity, dtype, device), 0
         # 1. catch up: the committed rows the head has not read (dropping last round's chain rows)
+        t0 = time.perf_counter()
         self.cache.truncate(self.fed)
         rows = feats[self.fed:n][None].to(dtype)  # [1, T, F]
         tokens = torch.tensor([ctx[self.fed + 1:n + 1]], device=device)  # [1, T]
         hidden = head.step(head.fc(rows), tokens, self.cache)[:, -1:]  # [1, 1, D]
+        self.catch_up = (n - self.fed, time.perf_counter() - t0)
         self.fed = n
         # 2. draft: K tokens in a chain on the head's own hidden states
         tokens_out, probs_out = [], []
