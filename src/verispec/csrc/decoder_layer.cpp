@@ -253,6 +253,51 @@ torch::Tensor linear(const torch::Tensor& x, const std::vector<c10::optional<tor
   return linear_int8(x, *w[at], *w[at + 1], *w[at + 2], w[at + 3], n);
 }
 
+
+using Weights = std::vector<c10::optional<torch::Tensor>>;
+
+// 1. The attention input norm and the fused q/k/v projection of rows x [N, D] -> [N, (H + 2 Hkv) hd].
+torch::Tensor qkv_rows(const torch::Tensor& x, const Weights& w, int64_t rows_out, float eps) {
+  auto h = torch::empty_like(x);
+  rms_norm(x.data_ptr<bf16>(), w[0]->data_ptr<bf16>(), h.data_ptr<bf16>(), x.size(0), x.size(1), eps);
+  return linear(h, w, 1, rows_out).contiguous();
+}
+
+// 2. One row's q/k norms (Qwen3) and RoPE, in place: r = [q (H hd), k (Hkv hd), v (Hkv hd)].
+void norm_rope_row(bf16* r, const Weights& w, const bf16* c, const bf16* s, int64_t H, int64_t Hkv, int64_t hd,
+                   float eps) {
+  if (w[5].has_value()) rms_norm(r, w[5]->data_ptr<bf16>(), r, H, hd, eps);
+  if (w[6].has_value()) rms_norm(r + H * hd, w[6]->data_ptr<bf16>(), r + H * hd, Hkv, hd, eps);
+  for (int64_t hh = 0; hh < H + Hkv; ++hh) rope(r + hh * hd, c, s, hd);
+}
+
+// 4-5. Output projection of the attention o [N, H hd] and residual, then the MLP (norm, gate/up, SiLU(gate) * up,
+// down) and residual -> the layer's output [N, D].
+torch::Tensor finish_layer(const torch::Tensor& x, const torch::Tensor& o, const Weights& w, int64_t I, float eps) {
+  const int64_t T = x.size(0), D = x.size(1);
+  auto attn = linear(o, w, 7, D).contiguous();
+  auto y = torch::empty_like(x);
+  bf16* yp = y.data_ptr<bf16>();
+  std::memcpy(yp, x.data_ptr<bf16>(), T * D * sizeof(bf16));
+  add_into(yp, attn.data_ptr<bf16>(), T * D);
+  auto h = torch::empty_like(x);
+  rms_norm(yp, w[11]->data_ptr<bf16>(), h.data_ptr<bf16>(), T, D, eps);
+  auto gu = linear(h, w, 12, 2 * I).contiguous();  // [T, 2I]
+  auto act = torch::empty({T, I}, x.options());
+  const bf16* gp = gu.data_ptr<bf16>();
+  bf16* actp = act.data_ptr<bf16>();
+  at::parallel_for(0, T * I, 4096, [&](int64_t i0, int64_t i1) {  // elementwise: any split gives the same values
+    for (int64_t i = i0; i < i1;) {
+      const int64_t t = i / I, c = i % I, n = std::min(i1 - i, I - c);
+      silu_mul(gp + t * 2 * I + c, gp + t * 2 * I + I + c, actp + i, n);
+      i += n;
+    }
+  });
+  auto down = linear(act, w, 16, D).contiguous();
+  add_into(yp, down.data_ptr<bf16>(), T * D);
+  return y;
+}
+
 }  // namespace
 
 // Test hook: one attend() (fast: attend_avx512) of q [G, hd] against rows [lo, hi) of k, v [n, hd], all bf16
@@ -289,7 +334,7 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
   TORCH_CHECK(w.size() == 20 && dims.size() == 4, "decoder_layer_quantized: 20 weights and 4 dims expected");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(),
               "decoder_layer_quantized: x [T, D] bf16");
-  const int64_t T = x.size(0), D = x.size(1), H = dims[0], Hkv = dims[1], hd = dims[2], I = dims[3];
+  const int64_t T = x.size(0), H = dims[0], Hkv = dims[1], hd = dims[2], I = dims[3];
   const int64_t G = H / Hkv, S = start + T;
   TORCH_CHECK(T <= kMaxRows && S <= k_cache.size(1) && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "decoder_layer_quantized: bad chunk or cache");
@@ -320,9 +365,7 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
     });
 
   // 1. attention input norm and the fused q/k/v projection
-  auto h = torch::empty_like(x);
-  rms_norm(x.data_ptr<bf16>(), w[0]->data_ptr<bf16>(), h.data_ptr<bf16>(), T, D, feps);
-  auto qkv = linear(h, w, 1, (H + 2 * Hkv) * hd).contiguous();  // [T, (H + 2 Hkv) hd]
+  auto qkv = qkv_rows(x, w, (H + 2 * Hkv) * hd, feps);  // [T, (H + 2 Hkv) hd]
   bf16* qkvp = qkv.data_ptr<bf16>();
   const int64_t row = (H + 2 * Hkv) * hd;
 
@@ -331,11 +374,7 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
   bf16* vc = v_cache.data_ptr<bf16>();
   for (int64_t t = 0; t < T; ++t) {
     bf16* r = qkvp + t * row;
-    if (w[5].has_value()) rms_norm(r, w[5]->data_ptr<bf16>(), r, H, hd, feps);
-    if (w[6].has_value()) rms_norm(r + H * hd, w[6]->data_ptr<bf16>(), r + H * hd, Hkv, hd, feps);
-    const bf16* c = cos.data_ptr<bf16>() + t * hd;
-    const bf16* s = sin.data_ptr<bf16>() + t * hd;
-    for (int64_t hh = 0; hh < H + Hkv; ++hh) rope(r + hh * hd, c, s, hd);
+    norm_rope_row(r, w, cos.data_ptr<bf16>() + t * hd, sin.data_ptr<bf16>() + t * hd, H, Hkv, hd, feps);
     for (int64_t g = 0; g < Hkv; ++g)
       for (int64_t i = 0; i < hd; ++i) {
         kc[(g * cap + start + t) * hd + i] = r[(H + g) * hd + i];
@@ -359,32 +398,98 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
     }
   });
 
-  // 4. output projection and residual
-  auto attn = linear(o, w, 7, D).contiguous();
-  auto y = torch::empty_like(x);
-  bf16* yp = y.data_ptr<bf16>();
-  const bf16* xp = x.data_ptr<bf16>();
-  const bf16* ap = attn.data_ptr<bf16>();
-  std::memcpy(yp, xp, T * D * sizeof(bf16));
-  add_into(yp, ap, T * D);
+  // 4-5. output projection, residual, MLP
+  return finish_layer(x, o, w, I, feps);
+}
 
-  // 5. MLP: norm, gate/up, SiLU(gate) * up, down, residual
-  rms_norm(yp, w[11]->data_ptr<bf16>(), h.data_ptr<bf16>(), T, D, feps);
-  auto gu = linear(h, w, 12, 2 * I).contiguous();  // [T, 2I]
-  auto act = torch::empty({T, I}, x.options());
-  const bf16* gp = gu.data_ptr<bf16>();
-  bf16* actp = act.data_ptr<bf16>();
-  at::parallel_for(0, T * I, 4096, [&](int64_t i0, int64_t i1) {  // elementwise: any split gives the same values
-    for (int64_t i = i0; i < i1;) {
-      const int64_t t = i / I, c = i % I, n = std::min(i1 - i, I - c);
-      silu_mul(gp + t * 2 * I + c, gp + t * 2 * I + I + c, actp + i, n);
-      i += n;
+// The same layer for the new tokens of several sequences in one call (the batched engine step), on a paged KV
+// cache. x [N, D] bf16, rows grouped by sequence; cos, sin [N, hd]; k_pool, v_pool [num_blocks, Hkv, block_size, hd]
+// bf16 (this layer's blocks); seqs [S, 3] int64: each sequence's first row, row count and the position of its first
+// row; tables [S, max_blocks] int32: each sequence's block table (position p in block tables[s][p / block_size], slot
+// p % block_size). Row t of a sequence, at position start + t, writes its keys/values to its slot and attends to
+// its sequence's keys [lo, start + t] (lo: sliding window) with attend() on a gathered copy of them: the same
+// operations in the same order as decoder_layer_quantized, and the matrices' kernels treat each row alike whatever
+// the row count, so a row's result does not depend on what else the call carries.
+torch::Tensor decoder_layer_paged(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                  torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& seqs,
+                                  const torch::Tensor& tables, int64_t window, const Weights& w,
+                                  const std::vector<int64_t>& dims, double eps) {
+  TORCH_CHECK(w.size() == 20 && dims.size() == 4, "decoder_layer_paged: 20 weights and 4 dims expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.is_contiguous(), "decoder_layer_paged: x [N, D] bf16");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() &&
+                  k_pool.scalar_type() == at::kBFloat16, "decoder_layer_paged: pools [blocks, Hkv, block_size, hd] bf16");
+  TORCH_CHECK(seqs.scalar_type() == at::kLong && seqs.dim() == 2 && seqs.size(1) == 3 && seqs.is_contiguous() &&
+                  tables.scalar_type() == at::kInt && tables.dim() == 2 && tables.size(0) == seqs.size(0) &&
+                  tables.is_contiguous(), "decoder_layer_paged: seqs [S, 3] int64, tables [S, max_blocks] int32");
+  const int64_t N = x.size(0), H = dims[0], Hkv = dims[1], hd = dims[2], I = dims[3], G = H / Hkv;
+  const int64_t num_blocks = k_pool.size(0), bs = k_pool.size(2), max_blocks = tables.size(1);
+  TORCH_CHECK(k_pool.size(1) == Hkv && k_pool.size(3) == hd && cos.size(0) == N && sin.size(0) == N,
+              "decoder_layer_paged: shapes do not match");
+  const int64_t* sq = seqs.data_ptr<int64_t>();
+  const int32_t* tb = tables.data_ptr<int32_t>();
+  const int64_t S = seqs.size(0);
+  for (int64_t s = 0, rows = 0; s < S; ++s) {
+    const int64_t first = sq[3 * s], n = sq[3 * s + 1], start = sq[3 * s + 2];
+    TORCH_CHECK(first == rows && n > 0 && start >= 0 && start + n <= max_blocks * bs,
+                "decoder_layer_paged: sequence ", s, " rows or positions out of range");
+    for (int64_t b = 0; b < (start + n + bs - 1) / bs; ++b)
+      TORCH_CHECK(tb[s * max_blocks + b] >= 0 && tb[s * max_blocks + b] < num_blocks, "decoder_layer_paged: bad block id");
+    rows += n;
+    TORCH_CHECK(s + 1 < S || rows == N, "decoder_layer_paged: the sequences' rows do not add up to x's");
+  }
+  const float feps = static_cast<float>(eps);
+  auto first_key = [&](int64_t last) -> int64_t { return window > 0 && last - window + 1 > 0 ? last - window + 1 : 0; };
+  auto slot = [&](int64_t s, int64_t pos, int64_t g) -> int64_t {  // element offset of (position, KV head g) in a pool
+    return ((static_cast<int64_t>(tb[s * max_blocks + pos / bs]) * Hkv + g) * bs + pos % bs) * hd;
+  };
+
+  // 1-2. norm, q/k/v for every row at once; per row q/k norms, RoPE, keys/values into their slots
+  const int64_t row = (H + 2 * Hkv) * hd;
+  auto qkv = qkv_rows(x, w, row, feps);  // [N, (H + 2 Hkv) hd]
+  bf16* qkvp = qkv.data_ptr<bf16>();
+  bf16* kp = k_pool.data_ptr<bf16>();
+  bf16* vp = v_pool.data_ptr<bf16>();
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t t = 0; t < sq[3 * s + 1]; ++t) {
+      const int64_t n = sq[3 * s] + t, pos = sq[3 * s + 2] + t;
+      bf16* r = qkvp + n * row;
+      norm_rope_row(r, w, cos.data_ptr<bf16>() + n * hd, sin.data_ptr<bf16>() + n * hd, H, Hkv, hd, feps);
+      for (int64_t g = 0; g < Hkv; ++g) {
+        std::memcpy(kp + slot(s, pos, g), r + (H + g) * hd, hd * sizeof(bf16));
+        std::memcpy(vp + slot(s, pos, g), r + (H + Hkv + g) * hd, hd * sizeof(bf16));
+      }
+    }
+
+  // 3. attention: per (sequence, KV head), its keys/values [lo, last] gathered into one run, then each row
+  auto o = torch::empty({N, H * hd}, x.options());
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const bool fast = has_vnni() && hd % 16 == 0;
+  at::parallel_for(0, S * Hkv, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint16_t> kbuf, vbuf;
+    std::vector<float> scratch;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t s = i / Hkv, g = i % Hkv, first = sq[3 * s], n = sq[3 * s + 1], start = sq[3 * s + 2];
+      const int64_t lo = first_key(start), hi = start + n, len = hi - lo;
+      kbuf.resize(len * hd);
+      vbuf.resize(len * hd);
+      scratch.resize(G * (len + 2 * hd) + 16 * hd);
+      for (int64_t p = lo; p < hi;) {  // a run of slots within one block at a time
+        const int64_t run = std::min(hi - p, bs - p % bs);
+        std::memcpy(kbuf.data() + (p - lo) * hd, kp + slot(s, p, g), run * hd * sizeof(bf16));
+        std::memcpy(vbuf.data() + (p - lo) * hd, vp + slot(s, p, g), run * hd * sizeof(bf16));
+        p += run;
+      }
+      for (int64_t t = 0; t < n; ++t) {
+        const int64_t last = start + t;
+        (fast ? attend_avx512 : attend)(reinterpret_cast<const uint16_t*>(qkvp + (first + t) * row + g * G * hd),
+               kbuf.data(), vbuf.data(), reinterpret_cast<uint16_t*>(o.data_ptr<bf16>() + (first + t) * H * hd + g * G * hd),
+               G, hd, first_key(last) - lo, last + 1 - lo, scale, scratch.data());
+      }
     }
   });
-  auto down = linear(act, w, 16, D).contiguous();
-  const bf16* dp = down.data_ptr<bf16>();
-  add_into(yp, dp, T * D);
-  return y;
+
+  // 4-5. output projection, residual, MLP
+  return finish_layer(x, o, w, I, feps);
 }
 
 }  // namespace verispec

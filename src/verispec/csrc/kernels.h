@@ -78,5 +78,10 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
                                  torch::Tensor k_cache, torch::Tensor v_cache, int64_t start, int64_t window,
                                  const std::vector<c10::optional<torch::Tensor>>& w,
                                  const std::vector<int64_t>& dims, double eps);
+torch::Tensor decoder_layer_paged(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                  torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& seqs,
+                                  const torch::Tensor& tables, int64_t window,
+                                  const std::vector<c10::optional<torch::Tensor>>& w,
+                                  const std::vector<int64_t>& dims, double eps);
 
 }  // namespace verispec

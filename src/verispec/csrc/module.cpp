@@ -68,6 +68,8 @@ TORCH_LIBRARY_IMPL(verispec, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layer_quantized", &verispec::decoder_layer_quantized,
         "one decoder layer for <= 16 new tokens of one sequence, int8 matrices (see decoder_layer.cpp)");
+  m.def("decoder_layer_paged", &verispec::decoder_layer_paged,
+        "one decoder layer for the new tokens of several sequences on a paged KV cache (see decoder_layer.cpp)");
   m.def("attend_parts", &verispec::attend_parts,
         "test hook: one head group's attention on either path -> weights, fp32 sums, bf16 output");
   m.def("isa", &verispec::isa_name, "the instruction sets the kernels use now");

@@ -102,3 +102,54 @@ class PrefixCache:
             cache.v[:, :, :, :n] = kept.v[:, :, :, :n]
             cache.length = n
         return cache
+
+
+class PagedKVCache:
+    """One model's KV cache in fixed-size blocks that many sequences share (vLLM PagedAttention): k, v
+    [L, num_blocks, Hkv, block_size, hd]. Which blocks a sequence holds, and so where its position p lives (block
+    ``table[p // block_size]``, slot ``p % block_size``), is the engine's business (engine/block_manager.py); a
+    forward is told by a :class:`PagedBatch`."""
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+        shape = (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, num_blocks, Hkv, block_size, hd]
+        self.v = torch.empty(shape, dtype=dtype, device=device)  # [L, num_blocks, Hkv, block_size, hd]
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+    @classmethod
+    def for_model(cls, cfg, num_blocks: int, block_size: int, dtype: torch.dtype, device="cpu") -> "PagedKVCache":
+        return cls(cfg.num_layers, num_blocks, cfg.num_kv_heads, block_size, cfg.head_dim, dtype, device)
+
+
+class PagedBatch:
+    """The rows of one batched forward, grouped by sequence: sequence s feeds ``rows`` tokens at positions
+    [start, start + rows), its keys/values in the blocks of its ``table``.
+
+    seqs: [S, 3] int64 (first row, rows, start); tables: [S, max_blocks] int32 (each table padded with its last
+    block); positions: [N] int64.
+    """
+
+    def __init__(self, chunks: list[tuple[int, int, list[int]]], device: str | torch.device = "cpu"):
+        """chunks: (rows, start, block table) per sequence, in row order."""
+        if not chunks or any(rows < 1 or not table for rows, _, table in chunks):
+            raise VerispecError("a paged batch needs at least one sequence, each with rows and a block table")
+        firsts = [0]
+        for rows, _, _ in chunks[:-1]:
+            firsts.append(firsts[-1] + rows)
+        width = max(len(table) for _, _, table in chunks)
+        self.seqs = torch.tensor([[f, rows, start] for f, (rows, start, _) in zip(firsts, chunks)], dtype=torch.long)
+        self.tables = torch.tensor([table + table[-1:] * (width - len(table)) for _, _, table in chunks],
+                                   dtype=torch.int32)
+        self.positions = torch.cat([torch.arange(start, start + rows) for rows, start, _ in chunks]).to(device)
+        self.chunks = chunks
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+    def slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of every row's position: [N] int64 each."""
+        blocks = torch.cat([torch.tensor(table, dtype=torch.long)[torch.arange(start, start + rows) // block_size]
+                            for rows, start, table in self.chunks])
+        return blocks.to(self.positions.device), self.positions % block_size

@@ -18,7 +18,7 @@ from .. import kernels
 from ..config import env_flag
 from . import hugepages
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import KVCache, PagedBatch, PagedKVCache
 from .linear import PACK_MIN_WEIGHTS, Linear, can_pack, can_quantize
 
 
@@ -119,6 +119,34 @@ class Attention(nn.Module):
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.h * self.hd))  # [B, T, D]
 
 
+    def forward_paged(self, x, cos, sin, cache: PagedKVCache, batch: PagedBatch, window: int | None):
+        """The same attention for the rows of several sequences on a paged cache, one row at a time (each row's
+        result is then the same whatever the batch). x: [N, D]; cos, sin: [N, hd] -> [N, D]."""
+        N = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
+        q, k, v = q.view(N, self.h, self.hd), k.view(N, self.hkv, self.hd), v.view(N, self.hkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos[:, None] + rotate_half(q) * sin[:, None]  # [N, H, hd]
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]  # [N, Hkv, hd]
+        blocks, offsets = batch.slots(cache.block_size)  # [N] each
+        k_pool, v_pool = cache.k[self.layer], cache.v[self.layer]  # [num_blocks, Hkv, block_size, hd]
+        k_pool[blocks, :, offsets] = k
+        v_pool[blocks, :, offsets] = v
+        o = torch.empty_like(q)  # [N, H, hd]
+        for (first, rows, start), (_, _, table) in zip(batch.seqs.tolist(), batch.chunks):
+            pos = torch.arange(start + rows, device=x.device)
+            blk = torch.tensor(table, dtype=torch.long, device=x.device)[pos // cache.block_size]
+            keys = k_pool[blk, :, pos % cache.block_size].transpose(0, 1)[None]  # [1, Hkv, S, hd]
+            values = v_pool[blk, :, pos % cache.block_size].transpose(0, 1)[None]
+            for t in range(rows):
+                last = start + t
+                lo = 0 if window is None else max(last - window + 1, 0)
+                o[first + t] = grouped_attention(q[first + t][None, :, None], keys[:, :, lo:last + 1],
+                                                 values[:, :, lo:last + 1], None)[0, :, 0]
+        return self.o_proj(o.reshape(N, self.h * self.hd))  # [N, D]
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -148,6 +176,23 @@ class Block(nn.Module):
         """The same layer in one C++ call (csrc/decoder_layer.cpp): one sequence, <= 16 new tokens,
         quantized matrices, causal mask. x: [T, D]; cos, sin: [T, hd] -> [T, D] (batch row 0 only: no
         per-layer slicing on the way in and out)."""
+        weights, dims, eps = self.fused_weights()
+        k, v = cache.rows0[self.self_attn.layer]
+        return kernels._C.decoder_layer_quantized(x, cos, sin, k, v, cache.length, window, weights, dims, eps)
+
+    def forward_paged(self, x, cos, sin, cache: PagedKVCache, batch: PagedBatch, window: int | None, fused: bool):
+        """The rows of several sequences on a paged cache. x: [N, D]; cos, sin: [N, hd] -> [N, D]. ``fused``: in one
+        C++ call (decoder_layer_paged); otherwise per op, attention one row at a time."""
+        if fused:
+            weights, dims, eps = self.fused_weights()
+            layer = self.self_attn.layer
+            return kernels._C.decoder_layer_paged(x, cos, sin, cache.k[layer], cache.v[layer], batch.seqs,
+                                                  batch.tables, window or 0, weights, dims, eps)
+        x = x + self.self_attn.forward_paged(self.input_layernorm(x), cos, sin, cache, batch, window)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def fused_weights(self):
+        """(weights, dims, eps) for the C++ layers, built on first use."""
         a, m = self.self_attn, self.mlp
         if self._fused is None:
             def lin(l):
@@ -156,9 +201,7 @@ class Block(nn.Module):
             self._fused = ([self.input_layernorm.weight.detach(), *lin(a.qkv_proj), *norm, *lin(a.o_proj),
                             self.post_attention_layernorm.weight.detach(), *lin(m.gate_up_proj), *lin(m.down_proj)],
                            [a.h, a.hkv, a.hd, m.inter], self.input_layernorm.eps)
-        weights, dims, eps = self._fused
-        k, v = cache.rows0[a.layer]
-        return kernels._C.decoder_layer_quantized(x, cos, sin, k, v, cache.length, window, weights, dims, eps)
+        return self._fused
 
 
 class Transformer(nn.Module):
@@ -289,6 +332,37 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(x)).float()  # [B, n, V], or [B, n, Vh] for a restricted head
         if self.head_ids is not None:
             full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))  # [B, n, V]
+            logits = full.index_copy_(-1, self.head_ids, logits)
+        return logits, hidden
+
+    @torch.inference_mode()
+    def forward_paged(self, input_ids: torch.Tensor, batch: PagedBatch, cache: PagedKVCache,
+                      logit_rows: torch.Tensor | None = None, hidden_layers: tuple[int, ...] = ()):
+        """One forward over the new tokens of several sequences (the engine's batched step): prefill chunks,
+        decodes and verify chunks together, each sequence's keys/values in the blocks ``batch`` names.
+
+        input_ids: [N], rows grouped by sequence as in ``batch``. logit_rows: [n] rows that need logits (None: all).
+        Returns (logits [n, V] float32, {i: hidden [N, D]}). Each row's result does not depend on the other rows
+        (with quantized bf16 matrices bitwise: csrc/decoder_layer.cpp).
+        """
+        x = self.embed_tokens(input_ids)  # [N, D]
+        cos, sin = self.rope(batch.positions[None], x.dtype)  # [1, 1, N, hd] each
+        cos, sin = cos[0, 0], sin[0, 0]  # [N, hd]
+        hidden = {0: x} if 0 in hidden_layers else {}
+        window = self.config.sliding_window
+        # quantized bf16 matrices in one C++ call per layer (the int8 / 4-bit draft kernels take <= 16 rows)
+        native = self.layers[0].self_attn.qkv_proj.native is not None
+        fused = (self.fused_quantized and x.dtype == torch.bfloat16
+                 and (native or input_ids.shape[0] <= kernels.MAX_ROWS))
+        for i, layer in enumerate(self.layers, start=1):
+            x = layer.forward_paged(x, cos, sin, cache, batch, window, fused)
+            if i in hidden_layers:
+                hidden[i] = x
+        if logit_rows is not None:
+            x = x[logit_rows]
+        logits = self.lm_head(self.norm(x)).float()  # [n, V], or [n, Vh] for a restricted head
+        if self.head_ids is not None:
+            full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))  # [n, V]
             logits = full.index_copy_(-1, self.head_ids, logits)
         return logits, hidden
 
