@@ -1,4 +1,4 @@
-"""Imports run one way: cli -> llm -> decoding / drafters -> models -> kernels, with no circles.
+"""Imports run one way: cli -> llm -> decoding / drafters / engine -> models -> kernels, with no circles.
 
 The graph is read from the source (every ``import``, lazy ones inside functions included), so a circle
 that Python tolerates at run time because one side imports late still fails here.
@@ -17,7 +17,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 LAYERS = [
     ("verispec.cli", "verispec.bench", "verispec.training"),
     ("verispec.llm",),
-    ("verispec.decoding", "verispec.drafters"),
+    ("verispec.decoding", "verispec.drafters", "verispec.engine"),
     ("verispec.models",),
     ("verispec.kernels",),
 ]

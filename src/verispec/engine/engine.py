@@ -1,0 +1,179 @@
+"""One engine step for many requests: schedule, draft, one batched target forward, verify each, commit.
+
+1. schedule: which sequences run and which positions each feeds (scheduler.py: prefill chunks, decode rows, K)
+2. propose: each decoding request's drafter proposes up to K tokens (its own state, its own generator)
+3. forward: one target forward over every fed row (Transformer.forward_paged on the paged KV cache)
+4. accept: per request, rejection sampling on its own rows (verify.py): accepted drafts, then one recovered or
+   bonus token; a row with no draft samples the next token as plain decoding does
+5. commit / rollback: the scheduler records the tokens and truncates rejected draft slots; drafters roll back
+
+A request draws every random number from its own generator and its rows' logits do not depend on the other rows
+(bitwise with native GGUF weights: csrc decoder_layer_paged), so what a request gets does not depend on who shares
+its batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import SamplingParams
+from ..drafters.base import DraftRequest
+from ..errors import VerispecError
+from ..models.kv_cache import PagedBatch, PagedKVCache
+from ..models.llama import Transformer
+from ..sampling import make_generator, mask_logits, next_token
+from ..verify import verify
+from .block_manager import BlockManager
+from .scheduler import ScheduledChunk, Scheduler, Sequence, SequenceStatus
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation in the engine. ``new_tokens``: what the last step committed for it."""
+
+    request_id: int
+    seq: Sequence
+    params: SamplingParams
+    generator: torch.Generator | None
+    drafter: object | None = None
+    new_tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "eos" | "length" | "abort"
+    features: torch.Tensor | None = None  # [capacity, F]: the drafter's target hidden states, per position
+    num_output: int = 0  # tokens generated so far (the sequence may hold more past an EOS that ended it)
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def output_ids(self) -> list[int]:
+        """Every token generated so far (an EOS that ended the request included)."""
+        P = len(self.seq.prompt)
+        return self.seq.tokens[P:P + self.num_output]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    """Continuous batching with speculative decoding on one target model."""
+
+    def __init__(self, target: Transformer, num_blocks: int, block_size: int = 16, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, chunk_size: int = 256, logit_mask: torch.Tensor | None = None,
+                 eos_token_ids: tuple[int, ...] = (), prefix_reuse: bool = True):
+        self.target, self.logit_mask, self.eos_token_ids = target, logit_mask, tuple(eos_token_ids)
+        self.device = target.embed_tokens.weight.device
+        self.cache = PagedKVCache.for_model(target.config, num_blocks, block_size, target.dtype, self.device)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, chunk_size, prefix_reuse)
+        self.requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def add(self, prompt_ids: list[int], params: SamplingParams, drafter=None, num_draft_tokens: int = 0) -> Request:
+        """Queue a request; ``drafter`` (any Drafter) proposes up to ``num_draft_tokens`` a step."""
+        if not prompt_ids:
+            raise VerispecError("empty prompt")
+        rid = next(self._ids)
+        seq = Sequence(rid, list(prompt_ids), params.max_new_tokens, num_draft_tokens if drafter else 0)
+        self.scheduler.add(seq)
+        req = Request(rid, seq, params, make_generator(params, self.device), drafter)
+        if drafter is not None and getattr(drafter, "feature_layers", ()):
+            width = len(drafter.feature_layers) * self.target.config.hidden_size
+            req.features = torch.empty(self._capacity(req), width, dtype=self.target.dtype, device=self.device)
+        self.requests[rid] = req
+        return req
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request and free its blocks (a client gone); a finished or unknown one is left alone."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            self.scheduler.finish(req.seq)
+            req.finish_reason = req.finish_reason or "abort"
+
+    def step(self) -> list[Request]:
+        """One batched step -> the requests that committed tokens (``new_tokens``), finished ones included."""
+        # 1. schedule
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        # 2. propose: K drafts per decoding request that asked for them (a drafter may propose fewer, even none)
+        drafts, rows, ids = [], [], []
+        for chunk in chunks:
+            req, seq = self.requests[chunk.seq.seq_id], chunk.seq
+            draft = None
+            if not chunk.is_prefill and chunk.num_draft:
+                draft = req.drafter.propose(DraftRequest(
+                    list(seq.tokens), chunk.num_draft, req.params, req.generator, self._capacity(req),
+                    self.target.config.vocab_size, self.logit_mask, self.device, None, req.features))
+            fed = (seq.tokens[chunk.start:chunk.start + chunk.num_tokens] if chunk.is_prefill
+                   else [seq.tokens[-1], *([] if draft is None else draft.tokens[0].tolist())])
+            drafts.append(draft)
+            rows.append((len(fed), chunk.start, self.blocks.block_table(seq.seq_id)))
+            ids += fed
+        # 3. forward: every fed row in one target forward; logits only where a token is chosen
+        batch = PagedBatch(rows, self.device)
+        layers = sorted({i for c in chunks for i in getattr(self.requests[c.seq.seq_id].drafter, "feature_layers", ())})
+        firsts = [r for r in itertools.accumulate([0] + [n for n, _, _ in rows])][:-1]
+        wanted = [list(range(f, f + n)) if not c.is_prefill else
+                  ([f + n - 1] if c.start + n == c.seq.prefill_end else []) for c, (n, _, _), f in zip(chunks, rows, firsts)]
+        logit_rows = torch.tensor([r for w in wanted for r in w], dtype=torch.long, device=self.device)
+        logits, hidden = self.target.forward_paged(torch.tensor(ids, device=self.device), batch, self.cache,
+                                                   logit_rows, tuple(layers))
+        logits = mask_logits(logits, self.logit_mask)  # [n, V]
+        # 4-5. accept and commit, request by request
+        out, at = [], 0
+        for chunk, draft, (n, start, _), first, want in zip(chunks, drafts, rows, firsts, wanted):
+            req = self.requests[chunk.seq.seq_id]
+            mine = logits[at:at + len(want)]  # [len(want), V]
+            at += len(want)
+            if req.features is not None:
+                req.features[start:start + n] = torch.cat([hidden[i][first:first + n] for i in req.drafter.feature_layers], -1)
+            new = self._accept(req, chunk, draft, mine)
+            done = self.scheduler.commit(ScheduledChunk(chunk.seq, chunk.start, n, chunk.is_prefill,
+                                                        chunk.num_draft), new)
+            if new:
+                out.append(self._finish_if_done(req, new, done))
+        return out
+
+    def _accept(self, req: Request, chunk: ScheduledChunk, draft, logits: torch.Tensor) -> list[int]:
+        """The tokens this chunk commits: none for a middle prefill chunk, the next token after the last one, the
+        accepted drafts and a recovered or bonus token after a verify row."""
+        if not len(logits):
+            return []
+        if draft is None or not draft.tokens.shape[1]:
+            token = next_token(logits[-1:], req.params, req.generator).item()
+            if draft is not None:
+                req.drafter.update(0)
+            return [token]
+        verdict = verify(logits[None], draft.tokens, draft.draft_probs, req.params, req.generator)
+        n = int(verdict.num_accepted[0])
+        req.drafter.update(n)
+        req.drafted += draft.tokens.shape[1]
+        req.accepted += n
+        return verdict.tokens[0, :n + 1].tolist()
+
+    def _finish_if_done(self, req: Request, new: list[int], done: bool) -> Request:
+        """Record the step's tokens; end the request at an EOS (unless ignored) or at max_new_tokens."""
+        req.new_tokens = new
+        eos = next((i for i, t in enumerate(new) if t in self.eos_token_ids), None)
+        if eos is not None and not req.params.ignore_eos:
+            req.new_tokens = new[:eos + 1]
+            req.finish_reason = "eos"
+            if req.seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(req.seq)
+        elif done:
+            req.finish_reason = "length"
+        req.num_output += len(req.new_tokens)
+        if req.finished:
+            self.requests.pop(req.request_id, None)
+        return req
+
+    def _capacity(self, req: Request) -> int:
+        """The most positions the request's context can hold: prompt, new tokens and one round of drafts."""
+        return len(req.seq.prompt) + req.params.max_new_tokens + req.seq.num_draft_tokens + 1
