@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, models list/pull, bench, train-head.
+"""`verispec` command line: generate, serve, models list/pull, bench, train-head.
 
 Bad input ends in one line on stderr ("verispec: error: ...") and exit status 2; no tracebacks
 (set VERISPEC_DEBUG=1 to see one for an unexpected internal error).
@@ -39,6 +39,23 @@ def build_parser() -> argparse.ArgumentParser:
                         '"content": ...} ending with the user\'s, put through the chat template (\'-\' reads stdin)')
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as the last line')
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (the serve extra)")
+    add_model_args(s)
+    s.add_argument("--method", default="auto", help="decoding method per request: auto (default), ar, draft, ngram, "
+                                                     "eagle (as for generate)")
+    s.add_argument("--num-draft-tokens", type=int, default=4, help="K: the most tokens a request drafts per step "
+                                                                    "(default: 4)")
+    add_spec_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="default: 8000")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="requests in the running batch (default: 16); "
+                                                                 "4x as many more wait, beyond that: 429")
+    s.add_argument("--kv-cache-tokens", type=int, default=16384,
+                   help="paged KV cache size in tokens, shared by all requests (default: 16384)")
+    s.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
+                   help="require Authorization: Bearer KEY on /v1 (default: $VERISPEC_API_KEY, else none)")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: --target)")
 
     m = sub.add_parser("models", help="list or pull the default models")
     msub = m.add_subparsers(dest="models_command", parser_class=Parser)
@@ -97,6 +114,36 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .config import SpecConfig
+
+    if not 1 <= args.port <= 65535:
+        raise VerispecError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_num_seqs < 1 or args.kv_cache_tokens < 16:
+        raise VerispecError(f"need --max-num-seqs >= 1 and --kv-cache-tokens >= 16, got {args.max_num_seqs}, "
+                            f"{args.kv_cache_tokens}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise VerispecError("--api-key is empty")
+    SpecConfig(args.method, args.num_draft_tokens, **spec_options(args))
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError as e:
+        raise VerispecError(f"verispec serve needs {e.name}: pip install 'verispec[serve]'") from None
+    from . import drafters
+    from .llm import AR, LLM
+
+    if args.method != AR and args.method not in drafters.METHODS:
+        raise VerispecError(f"unknown method {args.method!r} (available: {', '.join([AR, *drafters.METHODS])})")
+    llm = LLM(**engine_options(args))
+    app = create_app(llm, args.served_model_name or args.target, method=args.method,
+                     num_draft_tokens=args.num_draft_tokens, spec_options=spec_options(args),
+                     max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def read_prompt(args) -> str | list[dict]:
     """The prompt text, or the --messages conversation."""
     from .tokenizer import check_messages
@@ -148,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return EXIT_USAGE
-        handler = {"generate": cmd_generate, "models": cmd_models, "bench": _bench, "train-head": _train_head}[args.command]
+        handler = {"generate": cmd_generate, "serve": cmd_serve, "models": cmd_models, "bench": _bench,
+                   "train-head": _train_head}[args.command]
         return handler(args)
     except VerispecError as e:
         print(f"verispec: error: {e}", file=sys.stderr)

@@ -183,10 +183,8 @@ class LLM:
     def last_output(self) -> GenerationOutput | None:
         return getattr(self, "_last", None)
 
-    def _run(self, prompt, params: SamplingParams | None, spec: SpecConfig, chat: bool, system: str | None):
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise ConfigError("params must be a verispec.SamplingParams")
+    def make_drafter(self, spec: SpecConfig):
+        """A drafter for one request of ``spec.method`` (None for plain decoding)."""
         if spec.method != AR and spec.method not in drafters.METHODS:
             raise ConfigError(f"unknown method {spec.method!r} (available: {', '.join([AR, *drafters.METHODS])})")
         drafter = drafters.METHODS[spec.method](self, spec) if spec.method != AR else None
@@ -194,6 +192,13 @@ class LLM:
             # adaptive K is auto's choice with one candidate (n-gram drafts: per match length)
             drafter = drafters.AutoDrafter({spec.method: drafter}, spec.min_draft_tokens, spec.num_draft_tokens,
                                            allow_no_spec=False)
+        return drafter
+
+    def _run(self, prompt, params: SamplingParams | None, spec: SpecConfig, chat: bool, system: str | None):
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ConfigError("params must be a verispec.SamplingParams")
+        drafter = self.make_drafter(spec)
         prompt_ids = self.codec.encode(prompt, chat=chat, system=system)
         context = self.target.config.max_position_embeddings
         P = len(prompt_ids)

@@ -1,6 +1,7 @@
 """One engine step for many requests: schedule, draft, one batched target forward, verify each, commit.
 
-1. schedule: which sequences run and which positions each feeds (scheduler.py: prefill chunks, decode rows, K)
+1. schedule: which sequences run and which positions each feeds (scheduler.py: prefill chunks, decode rows, room
+   for K drafts), then K per request from the measured costs and acceptance (speculation.py)
 2. propose: each decoding request's drafter proposes up to K tokens (its own state, its own generator)
 3. forward: one target forward over every fed row (Transformer.forward_paged on the paged KV cache)
 4. accept: per request, rejection sampling on its own rows (verify.py): accepted drafts, then one recovered or
@@ -15,6 +16,7 @@ its batch.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +30,7 @@ from ..sampling import make_generator, mask_logits, next_token
 from ..verify import verify
 from .block_manager import BlockManager
 from .scheduler import ScheduledChunk, Scheduler, Sequence, SequenceStatus
+from .speculation import SpecPolicy
 
 
 @dataclass(eq=False)
@@ -39,6 +42,7 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None
     drafter: object | None = None
+    fixed_k: bool = False  # draft the full K every step (no cost model)
     new_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "length" | "abort"
     features: torch.Tensor | None = None  # [capacity, F]: the drafter's target hidden states, per position
@@ -69,20 +73,26 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, chunk_size, prefix_reuse)
         self.requests: dict[int, Request] = {}
+        self.policy = SpecPolicy()
         self._ids = itertools.count()
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, drafter=None, num_draft_tokens: int = 0) -> Request:
-        """Queue a request; ``drafter`` (any Drafter) proposes up to ``num_draft_tokens`` a step."""
+    def add(self, prompt_ids: list[int], params: SamplingParams, drafter=None, num_draft_tokens: int = 0,
+            fixed_k: bool = False) -> Request:
+        """Queue a request; ``drafter`` (any Drafter) proposes up to ``num_draft_tokens`` a step, as many as the
+        cost model gives it in each step's batch (``fixed_k``: always that many). A seeded sampling request always
+        drafts its full K: how many random numbers its drafts and verdicts use must not depend on the batch, so that
+        the same seed gives the same text whoever shares the server (greedy output never depends on K)."""
         if not prompt_ids:
             raise VerispecError("empty prompt")
         rid = next(self._ids)
         seq = Sequence(rid, list(prompt_ids), params.max_new_tokens, num_draft_tokens if drafter else 0)
         self.scheduler.add(seq)
-        req = Request(rid, seq, params, make_generator(params, self.device), drafter)
+        fixed_k = fixed_k or (not params.greedy and params.seed is not None)
+        req = Request(rid, seq, params, make_generator(params, self.device), drafter, fixed_k)
         if drafter is not None and getattr(drafter, "feature_layers", ()):
             width = len(drafter.feature_layers) * self.target.config.hidden_size
             req.features = torch.empty(self._capacity(req), width, dtype=self.target.dtype, device=self.device)
@@ -92,6 +102,7 @@ class Engine:
     def abort(self, request_id: int) -> None:
         """Stop a request and free its blocks (a client gone); a finished or unknown one is left alone."""
         req = self.requests.pop(request_id, None)
+        self.policy.forget(request_id)
         if req is not None:
             self.scheduler.finish(req.seq)
             req.finish_reason = req.finish_reason or "abort"
@@ -102,15 +113,22 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
-        # 2. propose: K drafts per decoding request that asked for them (a drafter may propose fewer, even none)
-        drafts, rows, ids = [], [], []
+        base_rows = sum(c.num_tokens if c.is_prefill else 1 for c in chunks)
+        flexible = {c.seq.seq_id: c.num_draft for c in chunks
+                    if c.num_draft and not self.requests[c.seq.seq_id].fixed_k}
+        K = {c.seq.seq_id: c.num_draft for c in chunks} | self.policy.choose(flexible, base_rows)
+        # 2. propose: K drafts per decoding request that gets any (a drafter may propose fewer, even none)
+        drafts, rows, ids, draft_s = [], [], [], []
         for chunk in chunks:
             req, seq = self.requests[chunk.seq.seq_id], chunk.seq
-            draft = None
-            if not chunk.is_prefill and chunk.num_draft:
+            draft, t0 = None, time.perf_counter()
+            if not chunk.is_prefill and K[seq.seq_id]:
+                self.policy.controller(seq.seq_id, chunk.num_draft)
                 draft = req.drafter.propose(DraftRequest(
-                    list(seq.tokens), chunk.num_draft, req.params, req.generator, self._capacity(req),
+                    list(seq.tokens), K[seq.seq_id], req.params, req.generator, self._capacity(req),
                     self.target.config.vocab_size, self.logit_mask, self.device, None, req.features))
+            # drafting time, less any catch-up on tokens the drafter skipped (its prompt, the first time)
+            draft_s.append(time.perf_counter() - t0 - (getattr(req.drafter, "catch_up", (0, 0.0))[1] if draft else 0.0))
             fed = (seq.tokens[chunk.start:chunk.start + chunk.num_tokens] if chunk.is_prefill
                    else [seq.tokens[-1], *([] if draft is None else draft.tokens[0].tolist())])
             drafts.append(draft)
@@ -123,18 +141,22 @@ class Engine:
         wanted = [list(range(f, f + n)) if not c.is_prefill else
                   ([f + n - 1] if c.start + n == c.seq.prefill_end else []) for c, (n, _, _), f in zip(chunks, rows, firsts)]
         logit_rows = torch.tensor([r for w in wanted for r in w], dtype=torch.long, device=self.device)
+        t0 = time.perf_counter()
         logits, hidden = self.target.forward_paged(torch.tensor(ids, device=self.device), batch, self.cache,
                                                    logit_rows, tuple(layers))
+        self.policy.observe_forward(len(ids), time.perf_counter() - t0)
         logits = mask_logits(logits, self.logit_mask)  # [n, V]
         # 4-5. accept and commit, request by request
         out, at = [], 0
-        for chunk, draft, (n, start, _), first, want in zip(chunks, drafts, rows, firsts, wanted):
+        for chunk, draft, seconds, (n, start, _), first, want in zip(chunks, drafts, draft_s, rows, firsts, wanted):
             req = self.requests[chunk.seq.seq_id]
             mine = logits[at:at + len(want)]  # [len(want), V]
             at += len(want)
             if req.features is not None:
                 req.features[start:start + n] = torch.cat([hidden[i][first:first + n] for i in req.drafter.feature_layers], -1)
             new = self._accept(req, chunk, draft, mine)
+            if draft is not None and draft.tokens.shape[1]:
+                self.policy.observe(req.request_id, draft.tokens.shape[1], len(new) - 1, seconds)
             done = self.scheduler.commit(ScheduledChunk(chunk.seq, chunk.start, n, chunk.is_prefill,
                                                         chunk.num_draft), new)
             if new:
@@ -172,6 +194,7 @@ class Engine:
         req.num_output += len(req.new_tokens)
         if req.finished:
             self.requests.pop(req.request_id, None)
+            self.policy.forget(req.request_id)
         return req
 
     def _capacity(self, req: Request) -> int:

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE), /health,
+/metrics.
+
+Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that is not valid JSON, breaks the
+schema (protocol.py) or asks what cannot run (a prompt past the context or the cache), 401 for a missing or wrong
+API key, 404 for an unknown model or route, 413 for a body over 1 MiB, 429 (with Retry-After) when more requests are
+in flight than the server queues, 500 only for a bug (/health is then 503 if the engine thread is gone).
+
+Streaming sends one ``data:`` chunk per engine step that produced text or finished (the last one carries
+``finish_reason`` and ``metrics``), then, with ``stream_options.include_usage``, a chunk with ``usage`` and no
+choices, then ``data: [DONE]``. Responses and final chunks carry ``metrics.speculative_decoding`` (runner.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+
+from .. import drafters
+from ..config import SamplingParams, SpecConfig
+from ..engine import Engine
+from ..errors import ConfigError, VerispecError
+from ..llm import AR, LLM
+from .metrics import Metrics
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest, bad_request
+from .runner import Generation, QueueFull, Runner
+
+MAX_BODY_BYTES = 1 << 20
+BLOCK_SIZE = 16
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's for /v1/completions; chat defaults to the room left
+
+
+def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tokens: int = 4,
+               spec_options: dict | None = None, max_num_seqs: int = 16, kv_cache_tokens: int = 16384,
+               api_key: str | None = None, max_waiting: int | None = None) -> FastAPI:
+    """An app serving ``llm`` as ``model_name``: one Engine of ``kv_cache_tokens`` KV slots, at most
+    ``max_num_seqs`` requests running and ``max_waiting`` (default 4 x max_num_seqs) more queued."""
+    if method != AR and method not in drafters.METHODS:
+        raise ConfigError(f"unknown method {method!r} (available: {', '.join([AR, *drafters.METHODS])})")
+    if kv_cache_tokens < BLOCK_SIZE:
+        raise ConfigError(f"kv_cache_tokens must be at least one block ({BLOCK_SIZE}), got {kv_cache_tokens}")
+    spec = SpecConfig(method, num_draft_tokens, **(spec_options or {}))
+    engine = Engine(llm.target.model, kv_cache_tokens // BLOCK_SIZE, BLOCK_SIZE, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=max(512, max_num_seqs), logit_mask=llm.logit_mask,
+                    eos_token_ids=llm.eos_token_ids)
+    metrics = Metrics(model_name, num_draft_tokens if method != AR else 0)
+    waiting = 4 * max_num_seqs if max_waiting is None else max_waiting
+    runner = Runner(llm, engine, metrics, spec, max_num_seqs + waiting)
+    runner.make_drafter()  # loads a draft model or head now: a missing one fails here, not per request
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        runner.start()
+        yield
+        runner.shutdown()
+
+    app = FastAPI(title="verispec", lifespan=lifespan)
+    app.state.runner = runner
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key (send Authorization: Bearer KEY)", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @v1.get("/models")
+    async def models():
+        card = {"id": model_name, "object": "model", "created": started, "owned_by": "verispec",
+                "max_model_len": runner.context}
+        return {"object": "list", "data": [card]}
+
+    @v1.post("/completions")
+    async def completions(request: Request):
+        body = await read_body(request, CompletionRequest)
+        return await generate(request, body, body.prompt, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_body(request, ChatCompletionRequest)
+        messages = [m.as_template_input() for m in body.messages]
+        return await generate(request, body, messages, body.max_completion_tokens or body.max_tokens, True)
+
+    async def generate(request: Request, body: GenerateRequest, prompt, max_tokens: int | None, chat: bool):
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist (this server has {model_name!r})",
+                           param="model", code="model_not_found")
+        try:
+            params = SamplingParams(max_new_tokens=max_tokens or 1, **body.sampling())
+            gen = await runner.submit(prompt, params, max_tokens)
+        except QueueFull as e:
+            raise APIError(429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": "1"}) from None
+        except VerispecError as e:
+            raise APIError(400, str(e)) from None
+        reply = Reply(gen, model_name, chat, body.include_usage)
+        if body.stream:
+            return SSEResponse(gen, reply.events(), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+        try:
+            if not await finished_unless_disconnected(request, gen):
+                return Response(status_code=499)  # nobody is listening
+        finally:
+            gen.close()
+        return reply.whole()
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        if not runner.alive:
+            raise APIError(503, "the engine thread has stopped", "server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), headers={"Content-Type": metrics.content_type})
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException):
+        return APIError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None,
+                        headers=e.headers).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
+
+    return app
+
+
+async def read_body(request: Request, model: type[GenerateRequest]) -> GenerateRequest:
+    """The body, at most MAX_BODY_BYTES, validated as ``model``."""
+    length = request.headers.get("content-length", "")
+    too_big = APIError(413, f"the body is over {MAX_BODY_BYTES} bytes", code="request_too_large")
+    if length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise too_big
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_big
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        raise bad_request(e) from None
+
+
+async def finished_unless_disconnected(request: Request, gen: Generation) -> bool:
+    """Wait for the generation's last step; False (and the wait cancelled) if the client goes first."""
+    async def finished():
+        async for _ in gen.pieces():
+            pass
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    done_task, gone_task = asyncio.ensure_future(finished()), asyncio.ensure_future(disconnected())
+    await asyncio.wait({done_task, gone_task}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (done_task, gone_task):
+        task.cancel()
+    if done_task.cancelled() or not done_task.done():
+        return False
+    done_task.result()  # an engine failure: raised here, answered 500
+    return True
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that closes its generation however it ends (finished, client gone, never started)."""
+
+    def __init__(self, gen: Generation, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
+
+
+class Reply:
+    """The OpenAI response objects of one generation: whole, or as chunks."""
+
+    def __init__(self, gen: Generation, model_name: str, chat: bool, include_usage: bool):
+        self.gen, self.chat, self.include_usage = gen, chat, include_usage
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                     "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                     "model": model_name}
+
+    def summary(self) -> dict:
+        return {"usage": self.gen.usage(), "metrics": {"speculative_decoding": self.gen.spec_stats()}}
+
+    def whole(self) -> dict:
+        text = self.gen.text
+        choice = {"index": 0, **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}),
+                  "logprobs": None, "finish_reason": self.gen.finish_reason}
+        return {**self.head, "choices": [choice], **self.summary()}
+
+    async def events(self):
+        """``data: {chunk}`` per engine step that produced text or finished, the usage chunk if asked, [DONE]."""
+        head = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion"}
+        first = True
+        try:
+            async for text, finish in self.gen.pieces():
+                if self.chat:
+                    delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
+                    choice = {"index": 0, "delta": delta}
+                else:
+                    choice = {"index": 0, "text": text}
+                chunk = {**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
+                if self.include_usage:
+                    chunk["usage"] = None
+                if finish is not None:
+                    chunk["metrics"] = self.summary()["metrics"]
+                first = False
+                yield f"data: {json.dumps(chunk)}\n\n"
+        except RuntimeError as e:  # the engine failed mid-stream
+            error = {"message": str(e), "type": "server_error", "param": None, "code": None}
+            yield f"data: {json.dumps({'error': error})}\n\n"
+        else:
+            if self.include_usage:
+                yield f"data: {json.dumps({**head, 'choices': [], **self.summary()})}\n\n"
+        yield "data: [DONE]\n\n"

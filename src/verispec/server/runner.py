@@ -1,0 +1,260 @@
+"""The engine behind the HTTP routes: one background thread owns the Engine and the tokenizer.
+
+Routes submit a request through a thread-safe inbox; the engine thread encodes the prompt, adds it to the Engine
+and loops ``step()`` while there is work. Per request it detokenizes with a StopChecker (EOS, stop strings,
+max_tokens) and hands each step's text to the request's asyncio queue with ``loop.call_soon_threadsafe``. A stop
+string, or a client gone (``Generation.close``), aborts the request in the engine thread, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..config import SamplingParams, SpecConfig
+from ..engine import Engine, Request
+from ..errors import VerispecError
+from ..llm import LLM
+from ..stopping import StopChecker
+from .metrics import Metrics
+
+log = logging.getLogger("verispec.server")
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # StopChecker's -> OpenAI's
+
+
+class QueueFull(Exception):
+    """More requests in flight than the server queues."""
+
+
+@dataclass(eq=False)
+class Generation:
+    """One request, shared by its route (event loop) and the engine thread. Only the engine thread writes the fields
+    from ``req`` on; the route reads them after the event that ends the request."""
+
+    prompt: str | list[int] | list[dict]
+    params: SamplingParams  # max_new_tokens: a placeholder when max_tokens is None
+    max_tokens: int | None  # None: whatever room the context and the cache leave
+    runner: Runner
+    loop: asyncio.AbstractEventLoop
+    admitted: asyncio.Future
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # (text, finish_reason) per step, or an Exception
+    arrival: float = field(default_factory=time.perf_counter)
+    req: Request | None = None
+    stopper: StopChecker | None = None
+    prompt_tokens: int = 0
+    finish_reason: str | None = None  # OpenAI's: "stop" | "length"
+    text: str = ""  # the whole text, once finished (StopChecker.finalize)
+    last_token: float | None = None
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    closed: bool = False
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated, an EOS that ended the request and the token that completed a stop string included."""
+        return len(self.stopper.token_ids) if self.stopper else 0
+
+    def usage(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def spec_stats(self) -> dict:
+        """vLLM's speculative-decoding names; mean_acceptance_length = 1 + accepted / drafts (tokens per verify)."""
+        mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "mean_acceptance_length": round(mean, 4)}
+
+    async def pieces(self):
+        """Yield (text, finish_reason) per engine step that produced text or finished; the last has the reason."""
+        while True:
+            event = await self.queue.get()
+            if isinstance(event, Exception):
+                raise event
+            yield event
+            if event[1] is not None:
+                return
+
+    def close(self) -> None:
+        """The route is done (finished, failed or the client gone): abort what still runs, free the seat."""
+        if not self.closed:
+            self.closed = True
+            self.runner.release(self)
+
+
+class Runner:
+    """Owns the Engine in one thread; ``submit`` from the event loop."""
+
+    def __init__(self, llm: LLM, engine: Engine, metrics: Metrics, spec: SpecConfig, max_in_flight: int):
+        self.llm, self.engine, self.metrics, self.spec = llm, engine, metrics, spec
+        self.max_in_flight = max_in_flight
+        self.context = llm.target.config.max_position_embeddings
+        self.cache_tokens = engine.blocks.num_blocks * engine.blocks.block_size
+        self.in_flight = 0  # event-loop side only
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add" | "abort", Generation) or None to stop
+        self._live: dict[int, Generation] = {}  # engine request id -> generation (engine thread only)
+        self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
+        self._preemptions = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._inbox.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def make_drafter(self):
+        """A drafter for one request (None for plain decoding), as LLM.generate makes it."""
+        return self.llm.make_drafter(self.spec)
+
+    async def submit(self, prompt: str | list[int] | list[dict], params: SamplingParams,
+                     max_tokens: int | None) -> Generation:
+        """Queue a request; raises QueueFull, or VerispecError when it can never run (bad prompt, too long)."""
+        if not self.alive:
+            raise RuntimeError("the engine thread has stopped")
+        if self.in_flight >= self.max_in_flight:
+            raise QueueFull(f"{self.in_flight} requests in flight, the most this server queues")
+        loop = asyncio.get_running_loop()
+        gen = Generation(prompt, params, max_tokens, self, loop, loop.create_future())
+        self.in_flight += 1
+        self._inbox.put(("add", gen))
+        try:
+            await gen.admitted
+        except BaseException:
+            gen.close()
+            raise
+        return gen
+
+    def release(self, gen: Generation) -> None:
+        """Free the request's seat in the queue bound; abort it in the engine thread if it still runs."""
+        self.in_flight -= 1
+        if gen.finish_reason is None:
+            self._inbox.put(("abort", gen))
+
+    # -- the engine thread --
+
+    def _loop(self) -> None:
+        while True:
+            commands = [] if self.engine.has_work else [self._inbox.get()]  # idle: sleep until a command
+            while not self._inbox.empty():
+                commands.append(self._inbox.get())
+            for command in commands:
+                if command is None:
+                    return
+                self._handle(*command)
+            events = []
+            if self.engine.has_work:
+                try:
+                    events = self._step()
+                except Exception as e:  # a bug: fail what runs, keep serving
+                    log.exception("engine step failed")
+                    events = self._fail_all(e)
+            self._observe()
+            for gen, event in events:
+                self._post(gen, event)
+
+    def _handle(self, kind: str, gen: Generation) -> None:
+        if kind == "abort":
+            if gen.req is not None and self._live.pop(gen.req.request_id, None) is not None:
+                self.engine.abort(gen.req.request_id)
+            return
+        try:
+            self._admit(gen)
+        except Exception as e:
+            if not isinstance(e, VerispecError):
+                log.exception("admission failed")
+            gen.loop.call_soon_threadsafe(_settle, gen.admitted, e)
+            return
+        self._live[gen.req.request_id] = gen
+        self.metrics.prompt_tokens.inc(gen.prompt_tokens)
+        gen.loop.call_soon_threadsafe(_settle, gen.admitted, None)
+
+    def _admit(self, gen: Generation) -> None:
+        ids = self.llm.codec.encode(gen.prompt)
+        P = len(ids)
+        if P >= self.context:
+            raise VerispecError(f"the prompt is {P} tokens; the model's context is {self.context}")
+        room = min(self.context, self.cache_tokens + 1) - P  # the last token's KV is never written
+        max_new = room if gen.max_tokens is None else gen.max_tokens
+        if max_new < 1 or P + max_new > self.context:
+            raise VerispecError(f"the prompt ({P} tokens) + max_tokens ({max_new}) exceeds the model's context of "
+                                f"{self.context} tokens: shorten the prompt or lower max_tokens")
+        params = dataclasses.replace(gen.params, max_new_tokens=max_new)
+        gen.stopper = StopChecker(params, self.llm.eos_token_ids, self.llm.codec)
+        gen.req = self.engine.add(ids, params, self.make_drafter(), self.spec.num_draft_tokens)
+        gen.prompt_tokens = P
+
+    def _step(self) -> list[tuple[Generation, tuple[str, str | None]]]:
+        """One engine step -> (generation, (text, finish_reason)) for each that produced text or finished."""
+        now, events = None, []
+        for req in self.engine.step():
+            gen = self._live.get(req.request_id)
+            if gen is None:
+                continue
+            now = now or time.perf_counter()
+            self._count(gen, req, now)
+            stopper = gen.stopper
+            stopper.append(req.new_tokens)
+            text = stopper.stream_piece()
+            if stopper.finished or req.finished:
+                if not req.finished:  # a stop string
+                    self.engine.abort(req.request_id)
+                del self._live[req.request_id]
+                gen.finish_reason = FINISH_REASONS[stopper.finish_reason or req.finish_reason]
+                gen.text = stopper.finalize()
+                self.metrics.e2e_latency.observe(now - gen.arrival)
+                events.append((gen, (text, gen.finish_reason)))
+            elif text:
+                events.append((gen, (text, None)))
+        return events
+
+    def _count(self, gen: Generation, req: Request, now: float) -> None:
+        """Latencies and speculative counts of one step; a step verifies at most one draft per request, and what
+        it accepts is a prefix of it, so per-position acceptance is exact."""
+        m = self.metrics
+        if gen.last_token is None:
+            m.time_to_first_token.observe(now - gen.arrival)
+        else:
+            m.inter_token_latency.observe(now - gen.last_token)
+        gen.last_token = now
+        drafted, accepted = req.drafted - gen.num_draft_tokens, req.accepted - gen.num_accepted_tokens
+        if drafted:
+            gen.num_drafts += 1
+            gen.num_draft_tokens, gen.num_accepted_tokens = req.drafted, req.accepted
+            m.spec_decode(drafted, accepted)
+        m.generation_tokens.inc(len(req.new_tokens))
+
+    def _fail_all(self, error: Exception) -> list:
+        events = []
+        for rid, gen in list(self._live.items()):
+            self.engine.abort(rid)
+            events.append((gen, RuntimeError(f"the engine failed: {type(error).__name__}: {error}")))
+        self._live.clear()
+        return events
+
+    def _observe(self) -> None:
+        s = self.engine.scheduler
+        self.metrics.engine_state(s.num_running, s.num_waiting, self.engine.blocks.usage,
+                                  s.num_preemptions - self._preemptions)
+        self._preemptions = s.num_preemptions
+
+    @staticmethod
+    def _post(gen: Generation, event) -> None:
+        try:
+            gen.loop.call_soon_threadsafe(gen.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed: the server is stopping
+            pass
+
+
+def _settle(future: asyncio.Future, error: Exception | None) -> None:
+    if not future.done():
+        future.set_result(None) if error is None else future.set_exception(error)
