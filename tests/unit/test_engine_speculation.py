@@ -56,3 +56,13 @@ def test_observed_rounds_move_a_request_estimate():
     assert p.controllers[7].rates()[0] > 0.95 and p.choose({7: 4}, base_rows=1)[7] == 4
     p.forget(7)
     assert 7 not in p.controllers
+
+
+def test_a_drafter_that_must_first_read_its_prompt_waits_and_is_not_retried():
+    p = policy(step_s=0.045, row_s=0.005, acceptance={0: 0.9, 1: 0.9}, t_draft=0.004)
+    # request 1's draft model skipped its prompt: 0.35 s to read it, 0.03 s of it charged to this step
+    k = p.choose({0: 4, 1: 4}, base_rows=2, catch_up={0: (0.0, 0.0), 1: (0.35, 0.03)})
+    assert k[0] > 0 and k[1] < k[0]
+    never = policy(step_s=0.045, row_s=0.002, acceptance={0: 0.0}, t_draft=0.001)
+    ks = [never.choose({0: 8}, base_rows=1, catch_up={0: (0.35, 0.0)})[0] for _ in range(40)]
+    assert ks == [0] * 40  # a retry would cost 0.35 s, more than RETRY_MAX_CATCH_UP steps: none

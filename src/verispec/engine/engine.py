@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..adaptive import ema, verify_seconds
 from ..config import SamplingParams
 from ..drafters.base import DraftRequest
 from ..errors import VerispecError
@@ -31,6 +32,9 @@ from ..verify import verify
 from .block_manager import BlockManager
 from .scheduler import ScheduledChunk, Scheduler, Sequence, SequenceStatus
 from .speculation import SpecPolicy
+
+PRIOR_CATCH_UP = 0.03  # a catch-up token's cost in one-row forwards until one is measured (drafters/auto.py's prior)
+LONG_CATCH_UP = 16  # catch-ups longer than this are one-offs (a prompt): learned per token, spread over the steps left
 
 
 @dataclass(eq=False)
@@ -74,6 +78,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, chunk_size, prefix_reuse)
         self.requests: dict[int, Request] = {}
         self.policy = SpecPolicy()
+        self.t_catch_up: float | None = None  # EMA seconds per token of a drafter's long catch-up (a prompt)
         self._ids = itertools.count()
 
     @property
@@ -116,7 +121,8 @@ class Engine:
         base_rows = sum(c.num_tokens if c.is_prefill else 1 for c in chunks)
         flexible = {c.seq.seq_id: c.num_draft for c in chunks
                     if c.num_draft and not self.requests[c.seq.seq_id].fixed_k}
-        K = {c.seq.seq_id: c.num_draft for c in chunks} | self.policy.choose(flexible, base_rows)
+        catch_up = {rid: self._catch_up(self.requests[rid]) for rid in flexible}
+        K = {c.seq.seq_id: c.num_draft for c in chunks} | self.policy.choose(flexible, base_rows, catch_up)
         # 2. propose: K drafts per decoding request that gets any (a drafter may propose fewer, even none)
         drafts, rows, ids, draft_s = [], [], [], []
         for chunk in chunks:
@@ -128,7 +134,10 @@ class Engine:
                     list(seq.tokens), K[seq.seq_id], req.params, req.generator, self._capacity(req),
                     self.target.config.vocab_size, self.logit_mask, self.device, None, req.features))
             # drafting time, less any catch-up on tokens the drafter skipped (its prompt, the first time)
-            draft_s.append(time.perf_counter() - t0 - (getattr(req.drafter, "catch_up", (0, 0.0))[1] if draft else 0.0))
+            fed_back, caught_up_s = getattr(req.drafter, "catch_up", (0, 0.0)) if draft else (0, 0.0)
+            if fed_back > LONG_CATCH_UP:
+                self.t_catch_up = ema(self.t_catch_up, caught_up_s / fed_back)
+            draft_s.append(time.perf_counter() - t0 - caught_up_s)
             fed = (seq.tokens[chunk.start:chunk.start + chunk.num_tokens] if chunk.is_prefill
                    else [seq.tokens[-1], *([] if draft is None else draft.tokens[0].tolist())])
             drafts.append(draft)
@@ -196,6 +205,20 @@ class Engine:
             self.requests.pop(req.request_id, None)
             self.policy.forget(req.request_id)
         return req
+
+    def _catch_up(self, req: Request) -> tuple[float, float]:
+        """(seconds the request's drafter would first spend on tokens it skipped, their share of this step). A long
+        catch-up (a draft model that has not read the prompt) is a one-off, spread over the steps left."""
+        lag = req.drafter.lag(req.seq.tokens) if hasattr(req.drafter, "lag") else 0
+        if lag <= 0 or not self.policy.t_forward:
+            return 0.0, 0.0
+        per_token = self.t_catch_up if self.t_catch_up is not None else PRIOR_CATCH_UP * verify_seconds(
+            self.policy.t_forward, 1)
+        seconds = lag * per_token
+        if lag <= LONG_CATCH_UP:
+            return seconds, seconds
+        steps_left = max((req.params.max_new_tokens - req.num_output) / 2, 1.0)  # ~2 tokens a drafting step
+        return seconds, seconds / steps_left
 
     def _capacity(self, req: Request) -> int:
         """The most positions the request's context can hold: prompt, new tokens and one round of drafts."""

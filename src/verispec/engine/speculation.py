@@ -17,6 +17,7 @@ from __future__ import annotations
 from ..adaptive import DraftLengthController, ema, verify_seconds
 
 RETRY, RETRY_MAX = 4, 64  # steps without drafts before a request drafts again; doubled after each retry
+RETRY_MAX_CATCH_UP = 2.0  # a retry may first spend this many one-row forwards catching up, no more
 
 
 class SpecPolicy:
@@ -44,25 +45,32 @@ class SpecPolicy:
         if k and request_id in self.controllers:
             self.controllers[request_id].observe(k, num_accepted, draft_s, 0.0)
 
-    def choose(self, wanted: dict[int, int], base_rows: int) -> dict[int, int]:
+    def choose(self, wanted: dict[int, int], base_rows: int, catch_up: dict[int, tuple[float, float]] | None = None
+               ) -> dict[int, int]:
         """K per request (request id -> the most it may draft) for a step whose forward carries ``base_rows``
-        rows before drafts. Before the forward cost is measured every request drafts its most (the first steps
-        measure it)."""
+        rows before drafts. ``catch_up``: request id -> (seconds its drafter would first spend on what it skipped,
+        that cost's share of this step: a prompt's catch-up is a one-off spread over the steps left). Before the
+        forward cost is measured every request drafts its most (the first steps measure it)."""
         if not self.t_forward:
             return dict(wanted)
-        k = self._allot(wanted, base_rows)
-        for rid, cap in wanted.items():  # back-off retries for requests left without drafts
+        catch_up = catch_up or {}
+        k = self._allot(wanted, base_rows, {rid: share for rid, (_, share) in catch_up.items()})
+        step = verify_seconds(self.t_forward, 1)
+        for rid, cap in wanted.items():  # back-off retries for requests left without drafts, if a retry is cheap
             steps, wait = self.idle.get(rid, (0, RETRY))
             if k[rid]:
                 self.idle[rid] = (0, RETRY)
-            elif steps + 1 >= wait:
+            elif steps + 1 >= wait and catch_up.get(rid, (0.0, 0.0))[0] <= RETRY_MAX_CATCH_UP * step:
                 k[rid], self.idle[rid] = cap, (0, min(2 * wait, RETRY_MAX))
             else:
                 self.idle[rid] = (steps + 1, wait)
         return k
 
-    def _allot(self, wanted: dict[int, int], base_rows: int) -> dict[int, int]:
-        """The cost model's K per request (before retries)."""
+    def _allot(self, wanted: dict[int, int], base_rows: int, first_cost: dict[int, float] | None = None
+               ) -> dict[int, int]:
+        """The cost model's K per request (before retries); ``first_cost``: seconds a request's first draft costs
+        beyond drafting (its catch-up's share)."""
+        first_cost = first_cost or {}
         k = dict.fromkeys(wanted, 0)
         tokens, seconds = float(len(wanted)), verify_seconds(self.t_forward, max(base_rows, 1))
         rows = base_rows
@@ -73,7 +81,7 @@ class SpecPolicy:
                     continue
                 ctl = self.controller(rid, cap)
                 gain = _joint(ctl.rates(), k[rid] + 1)  # P(the first k + 1 drafts accepted)
-                cost = (ctl.t_draft or 0.0) + verify_seconds(self.t_forward, rows + 1) - verify_seconds(self.t_forward, rows)
+                cost = self._draft_cost(ctl, rows) + (0.0 if k[rid] else first_cost.get(rid, 0.0))
                 rate = gain / cost if cost > 0 else float("inf")
                 if rate > best_rate:
                     best, best_rate = rid, rate
@@ -81,9 +89,13 @@ class SpecPolicy:
                 return k
             ctl = self.controllers[best]
             tokens += _joint(ctl.rates(), k[best] + 1)
-            seconds += (ctl.t_draft or 0.0) + verify_seconds(self.t_forward, rows + 1) - verify_seconds(self.t_forward, rows)
+            seconds += self._draft_cost(ctl, rows) + (0.0 if k[best] else first_cost.get(best, 0.0))
             k[best] += 1
             rows += 1
+
+    def _draft_cost(self, ctl: DraftLengthController, rows: int) -> float:
+        """Seconds one more draft adds to a step whose forward has ``rows`` rows: a draft step and a row."""
+        return (ctl.t_draft or 0.0) + verify_seconds(self.t_forward, rows + 1) - verify_seconds(self.t_forward, rows)
 
 
 def _joint(rates: list[float], i: int) -> float:
