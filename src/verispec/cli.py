@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, serve, models list/pull, bench, train-head.
+"""`verispec` command line: generate, serve, models list/pull, bench, bench-serve, train-head.
 
 Bad input ends in one line on stderr ("verispec: error: ...") and exit status 2; no tracebacks
 (set VERISPEC_DEBUG=1 to see one for an unexpected internal error).
@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from .bench.serve import add_bench_serve_parser
+
+    add_bench_serve_parser(sub)
     from .training.cli import add_train_parser
 
     add_train_parser(sub)
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         handler = {"generate": cmd_generate, "serve": cmd_serve, "models": cmd_models, "bench": _bench,
-                   "train-head": _train_head}[args.command]
+                   "train-head": _train_head, "bench-serve": cmd_bench_serve}[args.command]
         return handler(args)
     except VerispecError as e:
         print(f"verispec: error: {e}", file=sys.stderr)
@@ -223,6 +226,12 @@ def _bench(args) -> int:
     from .bench.cli import run_bench
 
     return run_bench(args)
+
+
+def cmd_bench_serve(args) -> int:
+    from .bench.serve import run_bench_serve
+
+    return run_bench_serve(args)
 
 
 if __name__ == "__main__":

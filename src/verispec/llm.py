@@ -14,17 +14,17 @@ import torch
 
 from . import draft_vocab, drafters
 from .config import DRAFT_QUANT_BITS, EngineConfig, SamplingParams, SpecConfig
-from .decoding import DecodeContext, Stats, autoregressive, speculative
+from .engine import Engine
 from .errors import ConfigError, VerispecError
-from .models.kv_cache import KVCache, PrefixCache
+from .models.kv_cache import PrefixCache
 from .models.loader import LoadedModel, auto_dtype, load
 from .models.eagle import EagleHead, frozen_rows, read_head
 from .models.registry import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
-from .sampling import make_generator
 from .stopping import StopChecker
 from .tokenizer import Codec
 
 AR = "ar"
+BLOCK_SIZE = 16  # KV cache block of a single request's engine
 
 
 @dataclass
@@ -207,31 +207,32 @@ class LLM:
         if P + params.max_new_tokens > context:
             raise VerispecError(f"prompt ({P} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
                                 f"model's context of {context} tokens: lower max_new_tokens")
-        stats = Stats(prompt_tokens=P)
-        # Room for the prompt, every new token and one round of drafts past the last committed token.
-        capacity = P + params.max_new_tokens + (spec.num_draft_tokens + 1 if drafter else 0)
-        cache = KVCache.for_model(self.target.config, 1, capacity, self.dtype, self.device)
-        ctx = DecodeContext(self.target.model, cache, torch.tensor([prompt_ids], device=self.device), params,
-                            make_generator(params, self.device), stats, self.logit_mask, drafter,
-                            spec.num_draft_tokens)
+        # One request in the engine that serves batches (engine/engine.py): a KV cache with room for the prompt,
+        # every new token and one round of drafts, the prompt read in one forward, K drafts a step (the drafter may
+        # stop early), as in a batch.
+        K = spec.num_draft_tokens if drafter else 0
+        chunk = -(-P // BLOCK_SIZE) * BLOCK_SIZE
+        engine = Engine(self.target.model, -(-(P + params.max_new_tokens + K + 1) // BLOCK_SIZE), BLOCK_SIZE,
+                        max_num_seqs=1, max_num_batched_tokens=max(chunk, K + 1), chunk_size=chunk,
+                        logit_mask=self.logit_mask, eos_token_ids=self.eos_token_ids, prefix_reuse=False)
+        req = engine.add(prompt_ids, params, drafter, K, fixed_k=True)
         stopper = StopChecker(params, self.eos_token_ids, self.codec)
         t0 = time.perf_counter()
-        steps = speculative(ctx) if drafter else autoregressive(ctx)
         # Python's cycle collector would walk every live object (models, tokenizer) ~once per step here: off
         # while decoding (~1.5% of a draft step in a profile); tensors are still freed by reference counting.
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            for chunk in steps:
-                stopper.append(chunk)
-                stats.wall_s = time.perf_counter() - t0
-                yield stopper
-                if stopper.finished:
-                    break
+            while not (req.finished or stopper.finished):
+                if engine.step():
+                    stopper.append(req.new_tokens)
+                    req.stats.wall_s = time.perf_counter() - t0
+                    yield stopper
         finally:
-            steps.close()
+            engine.abort(req.request_id)
             if gc_was_on:
                 gc.enable()
+        stats = req.stats
         stats.wall_s = time.perf_counter() - t0
         stats.new_tokens = len(stopper.token_ids)
         self._last = GenerationOutput(stopper.finalize(), stopper.token_ids, stats.as_dict(),

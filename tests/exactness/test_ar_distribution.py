@@ -81,13 +81,11 @@ def draw(llm, params: SamplingParams, n: int = N) -> np.ndarray:
 
 def test_reference_logits_match_our_runtime(llm, ref_logits):
     """Sanity: the distribution we test against is the model's (our forward agrees with transformers)."""
-    from verispec.decoding import DecodeContext, Stats, timed_forward
     from verispec.models.kv_cache import KVCache
 
     cfg = llm.target.config
     cache = KVCache.for_model(cfg, 1, len(PROMPT) + 1, torch.float32)
-    ctx = DecodeContext(llm.target.model, cache, torch.tensor([PROMPT]), SamplingParams(), None, Stats())
-    logits = timed_forward(ctx, ctx.prompt, num_logits=1)
+    logits, _ = llm.target.model(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None], cache, num_logits=1)
     torch.testing.assert_close(logits[0, -1].double(), ref_logits[0], rtol=1e-4, atol=1e-4)
 
 

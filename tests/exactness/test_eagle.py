@@ -22,7 +22,7 @@ import torch
 from exact_helpers import ALPHA, chi2_pvalue, variant_verify
 from test_speculative_distribution import N_NEG, PROMPT, N, TableModel, V, exact_joint
 
-import verispec.decoding
+import verispec.engine.engine
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 import test_speculative_distribution as base
@@ -204,6 +204,11 @@ class FeatureTable(TableModel):
         emb = self.embed_tokens(input_ids).detach()  # [1, T, D]
         return logits, {i: emb * (1 + i) for i in hidden_layers}
 
+    def forward_paged(self, input_ids, batch, cache, logit_rows=None, hidden_layers=()):
+        logits, _ = super().forward_paged(input_ids, batch, cache, logit_rows)
+        emb = self.embed_tokens(input_ids).detach()  # [N, D]
+        return logits, {i: emb * (1 + i) for i in hidden_layers}
+
 
 @pytest.fixture(scope="module")
 def table_heads(model_dirs, tables, tmp_path_factory):
@@ -252,6 +257,6 @@ def test_eagle_sampling_matches_exact_distribution(table_heads, tables, name):
 def test_negative_control_broken_verifier_fails(table_heads, tables, monkeypatch, name):
     head, K, kw = CASES[name]
     params = SamplingParams(**kw)
-    monkeypatch.setattr(verispec.decoding, "verify", variant_verify("always_accept"))
+    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify("always_accept"))
     counts, _ = draw(table_heads[head], K, params, N_NEG)
     assert chi2_pvalue(counts, exact_joint(tables, params)) < ALPHA

@@ -25,7 +25,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-import verispec.decoding
+import verispec.engine.engine
 from exact_helpers import ALPHA, chi2_pvalue, variant_verify, varied_stop
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))  # gguf_tiny lives with the GGUF loader tests
@@ -319,7 +319,7 @@ def test_native_target_matches_exact_distribution(v16):
 
 def test_negative_control_always_accept_is_rejected(v16, monkeypatch):
     llm, tables = v16
-    monkeypatch.setattr(verispec.decoding, "verify", variant_verify("always_accept"))
+    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify("always_accept"))
     counts, _ = draw(llm, K_CHI, SAMPLING, N_NEG, first_seed=900_000)
     p = chi2_pvalue(counts, exact_joint(tables, SAMPLING))
     assert p < ALPHA, f"always_accept with a native target not detected: p = {p:.3g}"

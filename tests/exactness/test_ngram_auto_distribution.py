@@ -14,7 +14,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-import verispec.decoding
+import verispec.engine.engine
 import verispec.drafters.auto
 from exact_helpers import ALPHA, chi2_pvalue, variant_verify
 import test_speculative_distribution as base
@@ -74,7 +74,8 @@ def test_sampling_matches_exact_distribution(table_llms, tables, monkeypatch, na
     assert drafted_per_run > 1.0, f"{name}: too few drafts ({drafted_per_run:.2f} per run) to test anything"
     assert 0.01 < acceptance < 0.98, f"{name}: acceptance {acceptance:.3f}"  # >= ~400 accepted drafts
     if method == "auto":
-        assert min(used.values()) > 0.05 * N and set(used) == {"ngram", "draft"}, used
+        # how often each wins follows their measured costs (timing): a share of the rounds, not half
+        assert min(used.values()) > 0.01 * N and set(used) == {"ngram", "draft"}, used
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p > ALPHA, f"{name}: chi-square p = {p:.3g} (acceptance {acceptance:.3f}, drafters {used})"
 
@@ -84,7 +85,7 @@ def test_negative_control_broken_verifier_fails(table_llms, tables, monkeypatch,
     method, draft, K, kw, opts = CASES[name]
     params = SamplingParams(**kw)
     try_short_matches(monkeypatch)
-    monkeypatch.setattr(verispec.decoding, "verify", variant_verify(bug))
+    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify(bug))
     counts, *_ = draw(table_llms[draft], method, K, params, N_NEG, opts)
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p < ALPHA, f"negative control {name}/{bug} not detected: p = {p:.3g}"

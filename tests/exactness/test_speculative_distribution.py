@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-import verispec.decoding
+import verispec.engine.engine
 from exact_helpers import ALPHA, chi2_pvalue, naive_probs, use_fused_quantized_draft, variant_verify, varied_stop
 from tiny import make_hf_model
 from verispec import LLM, SamplingParams
@@ -111,7 +111,8 @@ def tables(model_dirs):
 
 
 class TableModel:
-    """Stands in for a ``Transformer``: same call, logits looked up by the tokens the cache holds.
+    """Stands in for a ``Transformer``: same calls (contiguous and paged), logits looked up by the tokens the cache
+    holds.
 
     Each call writes its tokens at cache slots [length, length + T) (into the cache's key tensor, where a
     network's keys go, so a kept draft cache handed to the next request carries them), advances the cache
@@ -139,6 +140,24 @@ class TableModel:
             assert held[: len(PROMPT)] == PROMPT and end >= len(PROMPT), "not a prediction after the prompt"
             rows.append(self.table[tuple(held[len(PROMPT):end])])
         return torch.stack(rows)[None], {}
+
+    def forward_paged(self, input_ids, batch, cache, logit_rows=None, hidden_layers=()):
+        """The engine's batched call on a paged cache: each row's token id goes to its slot, and a row that needs
+        logits looks them up by the tokens its sequence holds up to it."""
+        assert not hidden_layers
+        blocks, offsets = batch.slots(cache.block_size)
+        cache.k[0, blocks, 0, offsets, 0] = input_ids.to(cache.k.dtype)
+        wanted = range(batch.num_rows) if logit_rows is None else logit_rows.tolist()
+        rows = []
+        for (first, n, start), (_, _, table) in zip(batch.seqs.tolist(), batch.chunks):
+            pos = torch.arange(start + n)
+            held = cache.k[0, torch.tensor(table)[pos // cache.block_size], 0, pos % cache.block_size, 0]
+            held = held.long().tolist()
+            for r in range(n):
+                if first + r in wanted:
+                    assert held[: len(PROMPT)] == PROMPT and start + r + 1 >= len(PROMPT), "not after the prompt"
+                    rows.append(self.table[tuple(held[len(PROMPT):start + r + 1])])
+        return torch.stack(rows), {}
 
 
 def make_llm(model_dirs, draft: str, tables=None) -> LLM:
@@ -183,7 +202,6 @@ def draw(llm, K: int, params: SamplingParams, n: int, first_seed: int = 0, round
 
 def test_tables_match_our_runtime(model_dirs, tables):
     """The tables are the models: our runtime's logits (real networks, KV cache) agree with them."""
-    from verispec.decoding import DecodeContext, Stats, timed_forward
     from verispec.models.kv_cache import KVCache
 
     rng = np.random.default_rng(0)
@@ -192,9 +210,8 @@ def test_tables_match_our_runtime(model_dirs, tables):
         for d in range(DEPTH + 1):
             h = tuple(int(t) for t in rng.integers(0, V, d))
             cache = KVCache.for_model(llm.target.config, 1, len(PROMPT) + d, torch.float32)
-            ctx = DecodeContext(llm.target.model, cache, torch.tensor([PROMPT + list(h)]), SamplingParams(), None,
-                                Stats())
-            logits = timed_forward(ctx, ctx.prompt, num_logits=1)[0, -1]
+            ids = PROMPT + list(h)
+            logits = llm.target.model(torch.tensor([ids]), torch.arange(len(ids))[None], cache, num_logits=1)[0][0, -1]
             torch.testing.assert_close(logits, tables[name][h], rtol=1e-4, atol=1e-4)
 
 
@@ -278,7 +295,7 @@ def test_negative_control_quantized_draft_with_recovery_from_p_fails(model_dirs,
     llm = LLM(target=str(model_dirs["target"]), draft=str(model_dirs["near"]), dtype="float32", draft_quant="int4")
     llm.target.model = TableModel(llm.target.model, tables["target"])
     params = SamplingParams(temperature=1.0)
-    monkeypatch.setattr(verispec.decoding, "verify", variant_verify("recover_from_p"))
+    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify("recover_from_p"))
     counts, _ = draw(llm, 2, params, N_NEG, first_seed=550_000)
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p < ALPHA, f"recovery from p with a 4-bit draft not detected: p = {p:.3g}"
@@ -311,7 +328,7 @@ def test_restricted_head_draft_matches_exact_distribution(model_dirs, tables, tm
 def test_negative_control_restricted_head_with_recovery_from_p_fails(model_dirs, tables, tmp_path, monkeypatch):
     llm = restricted_head_llm(model_dirs, tables, tmp_path)
     params = SamplingParams(temperature=1.0)
-    monkeypatch.setattr(verispec.decoding, "verify", variant_verify("recover_from_p"))
+    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify("recover_from_p"))
     counts, _ = draw(llm, 2, params, N_NEG, first_seed=700_000)
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p < ALPHA, f"recovery from p with a restricted draft not detected: p = {p:.3g}"
@@ -322,7 +339,7 @@ def test_negative_control_broken_verifier_fails(table_llms, tables, monkeypatch,
     """The same test, with a deliberately wrong verifier inside the real decoding loop, must reject it."""
     draft, K, kw = CASES[name]
     params = SamplingParams(**kw)
-    monkeypatch.setattr(verispec.decoding, "verify", variant_verify(bug))
+    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify(bug))
     counts, _ = draw(table_llms[draft], K, params, N_NEG)
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p < ALPHA, f"negative control {name}/{bug} not detected: p = {p:.3g}"
@@ -332,7 +349,7 @@ def test_copied_verifier_passes(table_llms, tables, monkeypatch):
     """Control for the controls: the unbroken copy of the rule, patched in the same way, passes."""
     draft, K, kw = CASES["far_draft-T1-K2"]
     params = SamplingParams(**kw)
-    monkeypatch.setattr(verispec.decoding, "verify", variant_verify(None))
+    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify(None))
     counts, _ = draw(table_llms[draft], K, params, N_NEG)
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p > ALPHA, f"p = {p:.3g}"
@@ -345,7 +362,7 @@ def test_early_stops_keep_the_exact_distribution(table_llms, tables, monkeypatch
     stop = varied_stop(2)
     monkeypatch.setattr(DraftModelDrafter, "stop_now", stop)  # about half the rounds end early
     if bug:
-        monkeypatch.setattr(verispec.decoding, "verify", variant_verify(bug))
+        monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify(bug))
     draft, K, kw = CASES["top_p0.8-K2"]
     params = SamplingParams(**kw)
     rounds = []

@@ -20,9 +20,8 @@ TIE = 2e-3  # logit gap under which float32 rounding (a K+1-token forward vs a 1
 
 @pytest.mark.parametrize("key", list(FLOAT32_PROMPTS))
 def test_speculative_greedy_equals_autoregressive(float32_llm, float32_outputs, key):
-    from verispec import SamplingParams
-    from verispec.decoding import DecodeContext, Stats, timed_forward
     from verispec.models.kv_cache import KVCache
+    from verispec.sampling import mask_logits
 
     llm, (ar, spec) = float32_llm, float32_outputs[key]
     assert spec.prompt_token_ids == ar.prompt_token_ids
@@ -42,8 +41,8 @@ def test_speculative_greedy_equals_autoregressive(float32_llm, float32_outputs, 
     assert j < min(len(got), len(want)), f"{key}: one output stops early:\nspec {got}\nar   {want}"
     ids = torch.tensor([ar.prompt_token_ids + want[:j]])
     cache = KVCache.for_model(llm.target.config, 1, ids.shape[1], llm.dtype)
-    ctx = DecodeContext(llm.target.model, cache, ids, SamplingParams(), None, Stats(), llm.logit_mask)
-    logits = timed_forward(ctx, ids, num_logits=1)[0, -1]
+    logits = mask_logits(llm.target.model(ids, torch.arange(ids.shape[1])[None], cache, num_logits=1)[0],
+                         llm.logit_mask)[0, -1]
     gap = (logits[want[j]] - logits[got[j]]).item()
     assert gap < TIE, (f"{key}: token {j} differs (spec {got[j]}, ar {want[j]}) with a logit gap of {gap:.4g}: "
                        f"not a rounding tie\nspec {got}\nar   {want}")

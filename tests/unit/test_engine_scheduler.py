@@ -292,3 +292,31 @@ def test_a_cache_too_small_for_one_sequence_is_refused():
     seq = Sequence(2, prompt=list(range(5)), max_new_tokens=4, num_draft_tokens=3)  # 8 slots: exactly 2 blocks
     run(sched, [seq])
     assert_finished_exactly([seq])
+
+
+def test_a_fixed_k_sequence_waits_for_room_rather_than_drafting_fewer():
+    """Budget 8, four decoding rows with K = 3: the flexible ones take what is left (3, 1, 0 ...), a fixed one gets
+    its full K or waits a step, and every sequence still finishes."""
+    sched, rng = make(max_num_batched_tokens=8, max_num_seqs=4), random.Random(0)
+    seqs = [Sequence(i, [1], 12, num_draft_tokens=3, fixed_draft=i % 2 == 1) for i in range(4)]
+    for seq in seqs:
+        sched.add(seq)
+    while any(s.in_prefill or s.status is SequenceStatus.WAITING for s in seqs):
+        step(sched, rng)
+    waited = cut = 0
+    while sched.has_work:
+        chunks = {c.seq.seq_id: c for c in sched.schedule()}
+        for seq in seqs:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            want = min(3, seq.max_new_tokens - seq.num_generated - 1)
+            if seq.seq_id not in chunks:
+                assert seq.fixed_draft  # only a fixed sequence sits out a step
+                waited += 1
+            elif chunks[seq.seq_id].num_draft < want:
+                assert not seq.fixed_draft
+                cut += 1
+        for c in chunks.values():
+            sched.commit(c, [token(c.seq.seq_id, len(c.seq.tokens) + i) for i in range(rng.randint(0, c.num_draft) + 1)])
+    assert waited and cut, (waited, cut)  # the budget was tight enough for both to happen
+    assert all(s.num_generated == 12 for s in seqs)

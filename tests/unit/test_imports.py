@@ -18,7 +18,7 @@ LAYERS = [
     ("verispec.cli", "verispec.bench", "verispec.training"),
     ("verispec.server",),
     ("verispec.llm",),
-    ("verispec.decoding", "verispec.drafters", "verispec.engine"),
+    ("verispec.drafters", "verispec.engine"),
     ("verispec.models",),
     ("verispec.kernels",),
 ]

@@ -1,4 +1,6 @@
-"""One engine step for many requests: schedule, draft, one batched target forward, verify each, commit.
+"""One engine step for many requests: schedule, draft, one batched target forward, verify each, commit. The only
+decoding loop: the server runs many requests through it, ``LLM.generate`` / ``stream`` one (a batch of one, K fixed
+by the request; its drafter may still stop a round early).
 
 1. schedule: which sequences run and which positions each feeds (scheduler.py: prefill chunks, decode rows, room
    for K drafts), then K per request from the measured costs and acceptance (speculation.py)
@@ -32,6 +34,7 @@ from ..verify import verify
 from .block_manager import BlockManager
 from .scheduler import ScheduledChunk, Scheduler, Sequence, SequenceStatus
 from .speculation import SpecPolicy
+from .stats import Stats
 
 PRIOR_CATCH_UP = 0.03  # a catch-up token's cost in one-row forwards until one is measured (drafters/auto.py's prior)
 LONG_CATCH_UP = 16  # catch-ups longer than this are one-offs (a prompt): learned per token, spread over the steps left
@@ -53,6 +56,9 @@ class Request:
     num_output: int = 0  # tokens generated so far (the sequence may hold more past an EOS that ended it)
     drafted: int = 0
     accepted: int = 0
+    stats: Stats = field(default_factory=Stats)
+    verify_s: dict[int, float] = field(default_factory=dict)  # verify size T -> EMA seconds of a step besides drafting
+    last_round: tuple[int, float] | None = None  # (verify size, when its drafting ended) of the last drafting step
 
     @property
     def output_ids(self) -> list[int]:
@@ -94,10 +100,16 @@ class Engine:
         if not prompt_ids:
             raise VerispecError("empty prompt")
         rid = next(self._ids)
-        seq = Sequence(rid, list(prompt_ids), params.max_new_tokens, num_draft_tokens if drafter else 0)
-        self.scheduler.add(seq)
         fixed_k = fixed_k or (not params.greedy and params.seed is not None)
+        K = num_draft_tokens if drafter else 0
+        if fixed_k:  # what a step's budget holds beside one row per seat: a fixed K then always fits in turn
+            s = self.scheduler
+            K = max(0, min(K, s.max_num_batched_tokens - s.max_num_seqs))
+        seq = Sequence(rid, list(prompt_ids), params.max_new_tokens, K, fixed_draft=fixed_k)
+        self.scheduler.add(seq)
         req = Request(rid, seq, params, make_generator(params, self.device), drafter, fixed_k)
+        req.stats.prompt_tokens = len(prompt_ids)
+        req.stats.reached, req.stats.accepted_at = [0] * seq.num_draft_tokens, [0] * seq.num_draft_tokens
         if drafter is not None and getattr(drafter, "feature_layers", ()):
             width = len(drafter.feature_layers) * self.target.config.hidden_size
             req.features = torch.empty(self._capacity(req), width, dtype=self.target.dtype, device=self.device)
@@ -115,6 +127,7 @@ class Engine:
     def step(self) -> list[Request]:
         """One batched step -> the requests that committed tokens (``new_tokens``), finished ones included."""
         # 1. schedule
+        t_step = time.perf_counter()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -130,9 +143,16 @@ class Engine:
             draft, t0 = None, time.perf_counter()
             if not chunk.is_prefill and K[seq.seq_id]:
                 self.policy.controller(seq.seq_id, chunk.num_draft)
-                draft = req.drafter.propose(DraftRequest(
-                    list(seq.tokens), K[seq.seq_id], req.params, req.generator, self._capacity(req),
-                    self.target.config.vocab_size, self.logit_mask, self.device, None, req.features))
+                if req.last_round:  # what its last drafting step cost besides drafting, by verify size
+                    T, drafted_at = req.last_round
+                    req.verify_s[T] = ema(req.verify_s.get(T), t0 - drafted_at)
+                draft = req.drafter.propose(DraftRequest(  # the live context (a draft cache given back keeps it)
+                    seq.tokens, K[seq.seq_id], req.params, req.generator, self._capacity(req),
+                    self.target.config.vocab_size, self.logit_mask, self.device, req.verify_s, req.features))
+                req.stats.draft_s += time.perf_counter() - t0
+                req.last_round = (draft.tokens.shape[1] + 1, time.perf_counter())
+            elif not chunk.is_prefill:
+                req.last_round = None
             # drafting time, less any catch-up on tokens the drafter skipped (its prompt, the first time)
             fed_back, caught_up_s = getattr(req.drafter, "catch_up", (0, 0.0)) if draft else (0, 0.0)
             if fed_back > LONG_CATCH_UP:
@@ -153,7 +173,10 @@ class Engine:
         t0 = time.perf_counter()
         logits, hidden = self.target.forward_paged(torch.tensor(ids, device=self.device), batch, self.cache,
                                                    logit_rows, tuple(layers))
-        self.policy.observe_forward(len(ids), time.perf_counter() - t0)
+        if logits.is_cuda:
+            torch.cuda.synchronize()
+        t_forward = time.perf_counter() - t0
+        self.policy.observe_forward(len(ids), t_forward)
         logits = mask_logits(logits, self.logit_mask)  # [n, V]
         # 4-5. accept and commit, request by request
         out, at = [], 0
@@ -164,6 +187,10 @@ class Engine:
             if req.features is not None:
                 req.features[start:start + n] = torch.cat([hidden[i][first:first + n] for i in req.drafter.feature_layers], -1)
             new = self._accept(req, chunk, draft, mine)
+            req.stats.target_forwards += 1
+            req.stats.target_s += t_forward
+            if chunk.is_prefill:
+                req.stats.prefill_s += time.perf_counter() - t_step  # up to its first token
             if draft is not None and draft.tokens.shape[1]:
                 self.policy.observe(req.request_id, draft.tokens.shape[1], len(new) - 1, seconds)
             done = self.scheduler.commit(ScheduledChunk(chunk.seq, chunk.start, n, chunk.is_prefill,
@@ -177,17 +204,25 @@ class Engine:
         accepted drafts and a recovered or bonus token after a verify row."""
         if not len(logits):
             return []
-        if draft is None or not draft.tokens.shape[1]:
-            token = next_token(logits[-1:], req.params, req.generator).item()
-            if draft is not None:
-                req.drafter.update(0)
-            return [token]
-        verdict = verify(logits[None], draft.tokens, draft.draft_probs, req.params, req.generator)
-        n = int(verdict.num_accepted[0])
+        if draft is None:
+            return [next_token(logits[-1:], req.params, req.generator).item()]
+        K = draft.tokens.shape[1]
+        if K:
+            verdict = verify(logits[None], draft.tokens, draft.draft_probs, req.params, req.generator)
+            n = int(verdict.num_accepted[0])
+            new = verdict.tokens[0, :n + 1].tolist()
+        else:  # the drafter proposed nothing: a plain step
+            n, new = 0, [next_token(logits[-1:], req.params, req.generator).item()]
         req.drafter.update(n)
-        req.drafted += draft.tokens.shape[1]
+        req.drafted += K
         req.accepted += n
-        return verdict.tokens[0, :n + 1].tolist()
+        req.stats.record_round(K, n)
+        if draft.source:
+            record = req.stats.drafters.setdefault(draft.source, [0, 0, 0])  # rounds, drafted, accepted
+            record[0] += 1
+            record[1] += K
+            record[2] += n
+        return new
 
     def _finish_if_done(self, req: Request, new: list[int], done: bool) -> Request:
         """Record the step's tokens; end the request at an EOS (unless ignored) or at max_new_tokens."""

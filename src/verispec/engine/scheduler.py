@@ -54,6 +54,7 @@ class Sequence:
     prompt: list[int]
     max_new_tokens: int
     num_draft_tokens: int = 0  # K wanted per step (0: plain decode)
+    fixed_draft: bool = False  # always K draft slots (fewer only at the end): the step waits for room, never cuts K
     tokens: list[int] = field(default_factory=list)  # prompt + committed output
     num_computed: int = 0  # leading tokens whose KV is in the cache
     status: SequenceStatus = SequenceStatus.WAITING
@@ -154,10 +155,13 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:  # preempted by an older row this step
                 continue
             start = seq.num_computed
-            k = max(0, min(seq.num_draft_tokens, seq.max_new_tokens - seq.num_generated - 1, spare))
-            if not self.blocks.can_reserve(seq.seq_id, start + 1 + k):
+            k = max(0, min(seq.num_draft_tokens, seq.max_new_tokens - seq.num_generated - 1))
+            if seq.fixed_draft and k > spare:
+                continue  # its K does not fit this step's budget: it waits a step rather than draft fewer
+            k = min(k, spare)
+            if not seq.fixed_draft and not self.blocks.can_reserve(seq.seq_id, start + 1 + k):
                 k = 0  # speculation backs off before anything is preempted
-            while seq.status is SequenceStatus.RUNNING and not self.blocks.can_reserve(seq.seq_id, start + 1):
+            while seq.status is SequenceStatus.RUNNING and not self.blocks.can_reserve(seq.seq_id, start + 1 + k):
                 self._preempt(self.running[-1])  # the most recently arrived, possibly seq itself
             if seq.status is SequenceStatus.RUNNING:
                 self.blocks.reserve(seq.seq_id, start + 1 + k)

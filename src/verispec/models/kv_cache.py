@@ -143,13 +143,29 @@ class PagedBatch:
                                    dtype=torch.int32)
         self.positions = torch.cat([torch.arange(start, start + rows) for rows, start, _ in chunks]).to(device)
         self.chunks = chunks
+        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._context_slots: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_rows(self) -> int:
         return int(self.positions.shape[0])
 
     def slots(self, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of every row's position: [N] int64 each."""
-        blocks = torch.cat([torch.tensor(table, dtype=torch.long)[torch.arange(start, start + rows) // block_size]
-                            for rows, start, table in self.chunks])
-        return blocks.to(self.positions.device), self.positions % block_size
+        """(block, offset) of every row's position: [N] int64 each (computed once per batch)."""
+        if self._slots is None:
+            blocks = torch.cat([torch.tensor(table, dtype=torch.long)[torch.arange(start, start + rows) // block_size]
+                                for rows, start, table in self.chunks])
+            self._slots = blocks.to(self.positions.device), self.positions % block_size
+        return self._slots
+
+    def context_slots(self, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per sequence, (block, offset) of each position its rows attend to, [0, start + rows): [S] int64 each
+        (computed once per batch)."""
+        if self._context_slots is None:
+            device = self.positions.device
+            self._context_slots = []
+            for rows, start, table in self.chunks:
+                pos = torch.arange(start + rows)
+                blocks = torch.tensor(table, dtype=torch.long)[pos // block_size]
+                self._context_slots.append((blocks.to(device), (pos % block_size).to(device)))
+        return self._context_slots

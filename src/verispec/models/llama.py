@@ -73,6 +73,30 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     return out.view(B, H, T, hd).to(q.dtype)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q: [B, H, T, hd]; k, v: [B, Hkv, S, hd]; mask: [B|1, 1, T, S] bool or None -> [B, H, T, hd]. A few new
+    tokens take grouped_attention, longer chunks the fused SDPA kernels."""
+    if q.shape[2] <= SMALL_T:
+        return grouped_attention(q, k, v, mask)
+    if mask is not None and mask.dtype == torch.bool:  # additive: a row with no visible key stays finite
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, MASKED)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def causal_mask(T: int, start: int, window: int | None, device) -> torch.Tensor | None:
+    """Causal (and sliding-window) mask [1, 1, T, start+T] for T new tokens after ``start`` cached ones; None if
+    every new token sees every key."""
+    S = start + T
+    if T == 1 and (window is None or S <= window):
+        return None
+    q_pos = torch.arange(start, S, device=device)[:, None]  # [T, 1]
+    k_pos = torch.arange(S, device=device)[None, :]  # [1, S]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask[None, None]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -110,18 +134,13 @@ class Attention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k_all, v_all = cache.update(self.layer, k, v)  # [B, Hkv, S, hd] each, S = cached + T
-        if T <= SMALL_T:
-            o = grouped_attention(q, k_all, v_all, mask)
-        else:
-            if mask is not None and mask.dtype == torch.bool:  # additive: a row with no visible key stays finite
-                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, MASKED)
-            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=self.h != self.hkv)
+        o = attend(q, k_all, v_all, mask)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, self.h * self.hd))  # [B, T, D]
 
 
     def forward_paged(self, x, cos, sin, cache: PagedKVCache, batch: PagedBatch, window: int | None):
-        """The same attention for the rows of several sequences on a paged cache, one row at a time (each row's
-        result is then the same whatever the batch). x: [N, D]; cos, sin: [N, hd] -> [N, D]."""
+        """The same attention for the rows of several sequences on a paged cache, a sequence's chunk at a time as
+        the contiguous cache computes it. x: [N, D]; cos, sin: [N, hd] -> [N, D]."""
         N = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.h * self.hd, self.hkv * self.hd, self.hkv * self.hd], dim=-1)
         q, k, v = q.view(N, self.h, self.hd), k.view(N, self.hkv, self.hd), v.view(N, self.hkv, self.hd)
@@ -134,16 +153,14 @@ class Attention(nn.Module):
         k_pool[blocks, :, offsets] = k
         v_pool[blocks, :, offsets] = v
         o = torch.empty_like(q)  # [N, H, hd]
-        for (first, rows, start), (_, _, table) in zip(batch.seqs.tolist(), batch.chunks):
-            pos = torch.arange(start + rows, device=x.device)
-            blk = torch.tensor(table, dtype=torch.long, device=x.device)[pos // cache.block_size]
-            keys = k_pool[blk, :, pos % cache.block_size].transpose(0, 1)[None]  # [1, Hkv, S, hd]
-            values = v_pool[blk, :, pos % cache.block_size].transpose(0, 1)[None]
-            for t in range(rows):
-                last = start + t
-                lo = 0 if window is None else max(last - window + 1, 0)
-                o[first + t] = grouped_attention(q[first + t][None, :, None], keys[:, :, lo:last + 1],
-                                                 values[:, :, lo:last + 1], None)[0, :, 0]
+        first = 0
+        for (rows, start, _), (blk, off) in zip(batch.chunks, batch.context_slots(cache.block_size)):
+            keys = k_pool[blk, :, off].transpose(0, 1)[None]  # [1, Hkv, S, hd]
+            values = v_pool[blk, :, off].transpose(0, 1)[None]
+            mine = q[first:first + rows].transpose(0, 1)[None]  # [1, H, rows, hd]
+            mask = causal_mask(rows, start, window, x.device)
+            o[first:first + rows] = attend(mine, keys, values, mask)[0].transpose(0, 1)
+            first += rows
         return self.o_proj(o.reshape(N, self.h * self.hd))  # [N, D]
 
 
@@ -182,7 +199,7 @@ class Block(nn.Module):
 
     def forward_paged(self, x, cos, sin, cache: PagedKVCache, batch: PagedBatch, window: int | None, fused: bool):
         """The rows of several sequences on a paged cache. x: [N, D]; cos, sin: [N, hd] -> [N, D]. ``fused``: in one
-        C++ call (decoder_layer_paged); otherwise per op, attention one row at a time."""
+        C++ call (decoder_layer_paged); otherwise per op, attention a sequence's chunk at a time."""
         if fused:
             weights, dims, eps = self.fused_weights()
             layer = self.self_attn.layer
@@ -281,15 +298,7 @@ class Transformer(nn.Module):
 
     def default_mask(self, T: int, start: int, device) -> torch.Tensor | None:
         """Causal (and sliding-window) mask [1, 1, T, start+T] for a contiguous chunk; None if all-visible."""
-        S, window = start + T, self.config.sliding_window
-        if T == 1 and (window is None or S <= window):
-            return None
-        q_pos = torch.arange(start, S, device=device)[:, None]  # [T, 1]
-        k_pos = torch.arange(S, device=device)[None, :]  # [1, S]
-        mask = k_pos <= q_pos
-        if window is not None:
-            mask &= k_pos > q_pos - window
-        return mask[None, None]
+        return causal_mask(T, start, self.config.sliding_window, device)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
