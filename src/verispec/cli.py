@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
                    help="require Authorization: Bearer KEY on /v1 (default: $VERISPEC_API_KEY, else none)")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: --target)")
+    s.add_argument("--ray-replicas", type=int, default=0, metavar="N",
+                   help="serve N copies of the engine behind Ray Serve's proxy on --host/--port, each loading its "
+                        "own weights on its share of the CPUs (the ray extra; default: 0, no Ray)")
+    s.add_argument("--ray-max-replicas", type=int, default=None, metavar="M",
+                   help="with --ray-replicas N: autoscale between N and M (> N) replicas on ongoing requests "
+                        "(about --max-num-seqs / 2 per replica)")
 
     m = sub.add_parser("models", help="list or pull the default models")
     msub = m.add_subparsers(dest="models_command", parser_class=Parser)
@@ -127,6 +133,11 @@ def cmd_serve(args) -> int:
                             f"{args.kv_cache_tokens}")
     if args.api_key is not None and not args.api_key.strip():
         raise VerispecError("--api-key is empty")
+    if args.ray_replicas < 0:
+        raise VerispecError(f"--ray-replicas must be >= 0, got {args.ray_replicas}")
+    if args.ray_max_replicas is not None and not 0 < args.ray_replicas < args.ray_max_replicas:
+        raise VerispecError(f"--ray-max-replicas M needs --ray-replicas N >= 1 and M > N, got N={args.ray_replicas}, "
+                            f"M={args.ray_max_replicas}")
     SpecConfig(args.method, args.num_draft_tokens, **spec_options(args))
     try:
         import uvicorn
@@ -139,11 +150,28 @@ def cmd_serve(args) -> int:
 
     if args.method != AR and args.method not in drafters.METHODS:
         raise VerispecError(f"unknown method {args.method!r} (available: {', '.join([AR, *drafters.METHODS])})")
+    app_options = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, spec_options=spec_options(args),
+                       max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key)
+    if args.ray_replicas:
+        return serve_on_ray(args, app_options)
     llm = LLM(**engine_options(args))
-    app = create_app(llm, args.served_model_name or args.target, method=args.method,
-                     num_draft_tokens=args.num_draft_tokens, spec_options=spec_options(args),
-                     max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key)
+    app = create_app(llm, args.served_model_name or args.target, **app_options)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def serve_on_ray(args, app_options: dict) -> int:
+    """`verispec serve --ray-replicas N`: the same app in N Ray Serve replicas (server/ray_serve.py)."""
+    try:
+        import ray.serve  # noqa: F401
+
+        from .server import ray_serve
+    except ImportError as e:
+        if not (e.name or "").startswith("ray"):
+            raise
+        raise VerispecError("verispec serve --ray-replicas needs ray: pip install 'verispec[ray]'") from None
+    ray_serve.run(engine_options(args), args.served_model_name or args.target, app_options,
+                  replicas=args.ray_replicas, max_replicas=args.ray_max_replicas, host=args.host, port=args.port)
     return 0
 
 

@@ -1,18 +1,24 @@
 """`verispec bench-serve` on a tiny random model: the JSON report, the /metrics diff, --url against a live server,
-bad flags (one line, exit 2), and a garbled-text check that can fail. No timings asserted."""
+the TTFT phase (ours alone, and interleaved with a stand-in llama.cpp peer), bad flags (one line, exit 2), and a
+garbled-text check that can fail. No timings asserted."""
 
 from __future__ import annotations
 
 import json
+import sys
+import types
+from pathlib import Path
 
 import pytest
 
 from verispec import LLM
+from verispec.bench import peer_llamacpp, serve_ttft
 from verispec.bench.serve import serving
 from verispec.bench.serve_report import check_identity, metrics_diff
 from verispec.cli import main
 
 SMALL = ["--concurrency", "1,2", "--requests-per-level", "2", "--max-tokens", "8", "--categories", "qa"]
+TTFT = ["--ttft-prompt-tokens", "96"]  # the tiny model's context is 256 tokens (the default 800 is skipped, a note)
 
 
 def read(out) -> dict:
@@ -22,9 +28,14 @@ def read(out) -> dict:
 def test_in_process_sweep(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "out"
     rc = main(["bench-serve", "--target", str(tiny_dirs["qwen2"]), "--dtype", "float32", "--methods", "ar,ngram",
-               *SMALL, "--out", str(out)])
+               *SMALL, *TTFT, "--ttft-repeats", "2", "--out", str(out)])
     assert rc == 0
     r = read(out)
+    t = r["ttft"]  # before the sweep, through the first mode's server; its requests are in no level's diff
+    assert t["mode"] == "ar" and t["target_prompt_tokens"] == 96 and 90 <= t["prompt_tokens"] <= 96
+    assert [(x["side"], x["set"]) for x in t["trials"]] == [("verispec", 1), ("verispec", 2)]
+    assert t["verispec"]["runs"] == 2 and t["verispec"]["median_ms"] >= t["verispec"]["min_ms"] > 0
+    assert t["verispec"]["server_median_ms"] > 0 and t["llamacpp"] is None and t["ratio_median"] is None
     assert r["complete"] and r["modes"] == ["ar", "ngram"] and r["concurrency"] == [1, 2]
     assert r["environment"]["torch"] and r["environment"]["httpx"] and r["garbled"] == []
     assert [(lv["concurrency"], lv["mode"]) for lv in r["levels"]] == [(1, "ar"), (1, "ngram"), (2, "ar"), (2, "ngram")]
@@ -47,19 +58,64 @@ def test_in_process_sweep(tiny_dirs, tmp_path, capsys):
     assert (out / "bench-serve.png").stat().st_size > 10_000
     table = capsys.readouterr().out
     assert "| concurrency | mode | req/s | output tok/s |" in table and "| 2 | ngram |" in table
+    assert "Time to first token, a " in table and "| verispec (ar) |" in table and "llama.cpp |" not in table
 
 
-def test_url_against_a_live_server(tiny_dirs, tmp_path):
+def test_ttft_interleaves_with_a_llamacpp_peer(tiny_dirs, tmp_path, monkeypatch, capsys):
+    """A stand-in peer (fixed 0.5 s) on the same ids: ours, peer, ours, peer ...; the ratio is ours / 500 ms."""
+    events = []
+
+    class FakePeer:
+        def __init__(self, source, threads, context=4096):
+            events.append(("load", source, context))
+
+        def generate(self, ids, n, mode="llamacpp"):
+            events.append(("llamacpp", len(ids), n))
+            return [0] * n, 0.5
+
+    request = serve_ttft.one_request
+
+    async def logged(client, url, body, timeout):
+        events.append(("verispec", body["max_tokens"]))
+        return await request(client, url, body, timeout)
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    monkeypatch.setattr(peer_llamacpp, "LlamaCppPeer", FakePeer)
+    monkeypatch.setattr(peer_llamacpp, "gguf_file", Path)
+    monkeypatch.setattr(serve_ttft, "one_request", logged)
+    out, target = tmp_path / "out", str(tiny_dirs["qwen2"])
+    assert main(["bench-serve", "--target", target, "--dtype", "float32", "--methods", "ar", "--concurrency", "1",
+                 "--requests-per-level", "1", "--max-tokens", "2", "--categories", "qa", "--warmup", "0", *TTFT,
+                 "--ttft-repeats", "2", "--peers", "llamacpp", "--out", str(out)]) == 0
+    t = read(out)["ttft"]
+    p = t["prompt_tokens"]
+    assert events == [("load", target, 512)] + [("verispec", 1), ("llamacpp", p, 1)] * 3  # set 0 warms up
+    assert [x["side"] for x in t["trials"]] == ["verispec", "llamacpp"] * 2
+    assert all(x["prompt_tokens"] == p for x in t["trials"])  # the server counted what the peer got
+    assert t["llamacpp"] == {"runs": 2, "median_ms": 500.0, "min_ms": 500.0, "ms_per_prompt_token": round(500 / p, 4)}
+    assert t["ratio_median"] == round(t["verispec"]["median_ms"] / 500, 4)
+    assert t["ratio_min"] == round(t["verispec"]["min_ms"] / 500, 4)
+    table = capsys.readouterr().out
+    assert "| llama.cpp | 500.0 | 500.0 |" in table and f"verispec / llama.cpp: {t['ratio_median']:.2f}x" in table
+
+
+def test_url_against_a_live_server(tiny_dirs, tmp_path, capsys):
     from verispec.server import create_app
 
     llm = LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", progress=False)
-    app = create_app(llm, "tiny", method="ngram", max_num_seqs=4, kv_cache_tokens=2048, api_key="k")
+    target = str(tiny_dirs["qwen2"])  # served under its path, as `verispec serve --target DIR` names it
+    app = create_app(llm, target, method="ngram", max_num_seqs=4, kv_cache_tokens=2048, api_key="k")
     out = tmp_path / "out"
     with serving(app) as url:
         assert main(["bench-serve", "--url", url, "--api-key", "wrong", *SMALL]) == 2  # 401 on /v1/models
-        assert main(["bench-serve", "--url", url, "--api-key", "k", *SMALL, "--out", str(out)]) == 0
+        assert main(["bench-serve", "--url", url, "--api-key", "k", "--concurrency", "1", "--requests-per-level",
+                     "1", "--max-tokens", "2", "--categories", "qa"]) == 0
+        assert "no TTFT phase: the server serves" in capsys.readouterr().err  # --target is not the served model
+        assert main(["bench-serve", "--url", url, "--api-key", "k", "--target", target, *SMALL, *TTFT,
+                     "--ttft-repeats", "1", "--out", str(out)]) == 0
     r = read(out)
-    assert r["modes"] == ["url"] and r["model"] == "tiny" and r["url"] == url
+    assert r["modes"] == ["url"] and r["model"] == target and r["url"] == url
+    assert r["ttft"]["mode"] == "url" and 90 <= r["ttft"]["prompt_tokens"] <= 96 and len(r["ttft"]["trials"]) == 1
     assert [lv["failed"] + lv["garbled"] for lv in r["levels"]] == [0, 0]
     assert all(lv["metrics_diff"]["verispec:generation_tokens_total"] == lv["total_output_tokens"]
                for lv in r["levels"])
@@ -83,11 +139,27 @@ MISSING = "/nonexistent/model-dir"  # never reached: each flag is refused before
     (["--url", "localhost:8000"], "--url takes http://"),
     (["--url", "http://127.0.0.1:9", "--methods", "ar"], "--methods"),
     (["--bogus"], "unrecognized arguments"),
+    (["--ttft-prompt-tokens", "-1"], "--ttft-prompt-tokens must be >= 0"),
+    (["--ttft-repeats", "0"], "--ttft-repeats must be >= 1"),
+    (["--peers", "hf"], "invalid choice: 'hf'"),
+    (["--peers", "llamacpp", "--ttft-prompt-tokens", "0"], "--ttft-prompt-tokens 0 turns that off"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(capsys, flags, words):
     assert main(["bench-serve", "--target", MISSING, *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith("verispec: error: ") and err.count("\n") == 1 and words in err, err
+
+
+@pytest.mark.parametrize("llama_cpp,words", [
+    (None, "--peers llamacpp needs llama-cpp-python: pip install llama-cpp-python"),
+    (types.ModuleType("llama_cpp"), f"--peers llamacpp needs a GGUF target (a .gguf file or a registry name), got "
+                                    f"{MISSING}"),
+])
+def test_llamacpp_peer_that_cannot_run_is_refused_before_loading(monkeypatch, capsys, llama_cpp, words):
+    monkeypatch.setitem(sys.modules, "llama_cpp", llama_cpp)  # None: `import llama_cpp` raises ImportError
+    assert main(["bench-serve", "--target", MISSING, "--peers", "llamacpp"]) == 2
+    err = capsys.readouterr().err
+    assert err == f"verispec: error: {words}\n"
 
 
 def rec(mode, c, i, text, ok=True, prompt="p"):

@@ -102,12 +102,21 @@ def test_the_cost_model_picks_k_per_step_and_output_stays_exact(models):
     assert sum(r.drafted for r in seen["requests"]) > 0  # some steps drafted
 
 
-def test_short_prompts_match_llm_generate(models):
-    """Prompts of <= 16 tokens: LLM.generate computes them the same way (one fused call, then decode steps)."""
+def test_sixteen_requests_together_get_what_llm_generate_gives_each_alone(models):
+    """LLM.generate runs one request through the same engine (its whole prompt in one chunk): 16 requests in one
+    batch (plain, draft model, n-gram; greedy and seeded; prompts of 4 to 40 tokens, several prefill chunks here)
+    each get bitwise the tokens it gets alone."""
     target = models[0]
-    short = [job for job in jobs_for("ar", 0, False) if len(job[0]) <= 16]
-    want = [target.generate(p, params).token_ids for p, params, _, _ in short]
-    assert run(models, short) == want
+    kinds = [("ar", 0), ("same", 4), ("ngram", 4), ("ar", 0)]
+    jobs = [(job[0], job[1], *kinds[i % 4]) for i, job in enumerate(jobs_for("ar", 0, False) + jobs_for("ar", 0, True)
+                                                                     + jobs_for("ar", 0, False)[:4])]
+    assert len(jobs) == 16
+    methods = {"ar": "ar", "same": "draft", "ngram": "ngram"}
+    alone = [target.generate(p, params, method=methods[kind], num_draft_tokens=K or 4, early_stop=False).token_ids
+             for p, params, kind, K in jobs]
+    seen = {}
+    assert run(models, jobs, max_num_seqs=16, seen=seen) == alone
+    assert max(len(p) for p, *_ in jobs) > 16 and sum(r.drafted for r in seen["requests"]) > 0
 
 
 def test_preemption_under_a_tiny_cache_loses_nothing(models):

@@ -59,6 +59,15 @@ def base_url(app):
 
 
 @pytest.fixture
+def fixed_k(app, monkeypatch):
+    """Every request drafts its full K each step, greedy ones too: which drafts are accepted is then the same every
+    run (the cost model may otherwise give a greedy request K = 0 on a slow machine)."""
+    engine = app.state.runner.engine
+    add = engine.add
+    monkeypatch.setattr(engine, "add", lambda *args, **kw: add(*args, **{**kw, "fixed_k": True}))
+
+
+@pytest.fixture
 def client(base_url):
     from openai import OpenAI
 

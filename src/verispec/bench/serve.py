@@ -7,6 +7,11 @@ spec-on/spec-off ratio at a level is measured minutes apart, not a whole sweep a
 each streaming one chat completion after the other until the level's requests are done, and scrapes /metrics before
 and after it. The client: serve_load.py; the results: serve_report.py (percentiles, garbled-text check, table, JSON,
 PNG).
+
+Before the sweep, the TTFT phase (serve_ttft.py): time to first token on one ~800-token prompt, ours against
+llama.cpp (``--peers llamacpp``) on the same ids, interleaved. Before, not after: a peer that fails (or a prompt
+that does not fit) shows in seconds, not after the sweep's minutes; the figure survives an interrupted sweep; the
+peer's memory is released before the load starts. Its own warm-up covers the servers' first long prefill.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 
 from ..errors import VerispecError
 from .serve_load import headers
+from .serve_ttft import check_ttft_args
 
 DEFAULT_METHODS = "ar,auto"
 DEFAULT_CONCURRENCY = "1,2,4,8,16"
@@ -61,6 +67,16 @@ def add_bench_serve_parser(sub) -> None:
     b.add_argument("--model", default=None, help="--url: the model name to request (default: the first of /v1/models)")
     b.add_argument("--api-key", default=os.environ.get("VERISPEC_API_KEY"),
                    help="--url: Authorization: Bearer KEY (default: $VERISPEC_API_KEY)")
+    b.add_argument("--ttft-prompt-tokens", type=int, default=800, metavar="N",
+                   help="before the sweep, time to first token on one prompt of about N tokens (summarization and "
+                        "RAG passages; Spec-Bench's size by default), through the first mode's server; 0 = off "
+                        "(default: 800)")
+    b.add_argument("--ttft-repeats", type=int, default=3, metavar="R", help="timed TTFT requests per side, after "
+                                                                            "one warm-up (default: 3)")
+    b.add_argument("--peers", default="none", choices=["none", "llamacpp"],
+                   help="llamacpp = time the same TTFT prompt ids with llama.cpp on the same GGUF file, interleaved "
+                        "with ours (needs llama-cpp-python; with --url, --target must be the server's model); none "
+                        "(default)")
     b.add_argument("--out", default=None, metavar="DIR", help="write results.json (after every level) and "
                                                                "bench-serve.png here")
 
@@ -87,6 +103,7 @@ def check_args(args) -> tuple[list[int], list[str] | None]:
         raise VerispecError(f"--timeout must be > 0, got {args.timeout}")
     if not 0 <= args.temperature <= 2:
         raise VerispecError(f"--temperature must be in 0..2, got {args.temperature}")
+    check_ttft_args(args)
     if args.url is not None:
         if args.methods is not None:
             raise VerispecError("--methods runs in-process servers; --url measures the one server there")
@@ -103,8 +120,9 @@ def check_args(args) -> tuple[list[int], list[str] | None]:
 
 
 def run_bench_serve(args) -> int:
-    from .serve_load import requests_per_level, sweep
+    from .serve_load import sweep
     from .serve_report import finish_report, plot_or_note, print_table
+    from .serve_ttft import measure_ttft, plan_ttft, source_codec, summarize_ttft, ttft_table
 
     levels, modes = check_args(args)
     missing = [m for m in ("httpx", "prometheus_client") + (() if args.url else ("uvicorn", "fastapi"))
@@ -137,13 +155,23 @@ def run_bench_serve(args) -> int:
             report.update(target=args.target, draft=llm.draft.source if llm.draft else None, model=args.target,
                           dtype=str(llm.dtype).removeprefix("torch."),
                           weights="native" if _native(llm.target.model) else "dequantized")
+            context = min(llm.target.config.max_position_embeddings, args.kv_cache_tokens)
+            ttft_prompts, peer = plan_ttft(args, llm.codec, context)
         else:
-            model = check_url(args)
+            model, context = check_url(args)
             servers, modes = {"url": (args.url.rstrip("/"), model)}, ["url"]
             report.update(url=args.url, model=model)
+            known = args.ttft_prompt_tokens and model == args.target  # the tokenizer is --target's
+            ttft_prompts, peer = plan_ttft(args, source_codec(args.target) if known else None, context, model)
         report.update(modes=modes, concurrency=levels, max_tokens=args.max_tokens, temperature=args.temperature,
-                      num_prompts=len(messages), environment=environment())
+                      num_prompts=len(messages), environment=environment(), ttft=None)
         try:
+            if ttft_prompts:
+                print(f"verispec: TTFT phase: {len(ttft_prompts[0][1])}-token prompt, {args.ttft_repeats} repeat(s) "
+                      f"through {modes[0]}" + (", interleaved with llama.cpp" if peer else ""), file=sys.stderr)
+                trials = asyncio.run(measure_ttft(args, *servers[modes[0]], ttft_prompts, peer))
+                report["ttft"], peer = summarize_ttft(args, trials, modes[0]), None  # the peer's memory goes
+                save()
             asyncio.run(sweep(args, servers, modes, levels, messages, records, level_runs, save))
         except KeyboardInterrupt:
             print(f"verispec: interrupted after {len(level_runs)} level run(s); reporting those", file=sys.stderr)
@@ -153,6 +181,8 @@ def run_bench_serve(args) -> int:
     if out is not None and level_runs:
         plot_or_note(report, out / "bench-serve.png")
     print_table(report)
+    if report["ttft"]:
+        print(("\n" if report["levels"] else "") + ttft_table(report["ttft"]))
     if not report["complete"]:
         return 130
     return 1 if any(lv["failed"] or lv["garbled"] for lv in report["levels"]) else 0
@@ -173,7 +203,7 @@ def environment() -> dict:
     from .hardware import environment as machine
 
     env = machine()
-    for pkg in ("httpx", "uvicorn", "fastapi", "prometheus-client"):
+    for pkg in ("httpx", "uvicorn", "fastapi", "prometheus-client", "llama-cpp-python"):
         try:
             env[pkg] = version(pkg)
         except PackageNotFoundError:
@@ -232,8 +262,9 @@ def serving(app):
         sock.close()
 
 
-def check_url(args) -> str:
-    """The model to request from --url: --model, else the first /v1/models lists; an unreachable server is an error."""
+def check_url(args) -> tuple[str, int]:
+    """The model to request from --url (--model, else the first /v1/models lists) and its context (max_model_len,
+    else unbounded); an unreachable server is an error."""
     import httpx
 
     url = args.url.rstrip("/")
@@ -243,9 +274,12 @@ def check_url(args) -> str:
         raise VerispecError(f"--url: cannot reach {url} ({type(e).__name__}: {e})") from None
     if r.status_code != 200:
         raise VerispecError(f"--url: GET {url}/v1/models answered {r.status_code}: {r.text[:200]!r}")
-    if args.model:
-        return args.model
     try:
-        return r.json()["data"][0]["id"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        raise VerispecError(f"--url: {url}/v1/models lists no model; give --model") from None
+        cards = {c["id"]: c for c in r.json()["data"]}
+    except (ValueError, KeyError, TypeError):
+        cards = {}
+    model = args.model or next(iter(cards), None)
+    if model is None:
+        raise VerispecError(f"--url: {url}/v1/models lists no model; give --model")
+    context = (cards.get(model) or {}).get("max_model_len")
+    return model, context if isinstance(context, int) else sys.maxsize

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions (JSON or SSE), /health,
-/metrics.
+/metrics, and the chat page at / (static/chat.html with static/chat.js; the page is public, its requests send the key).
 
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that is not valid JSON, breaks the
 schema (protocol.py) or asks what cannot run (a prompt past the context or the cache), 401 for a missing or wrong
@@ -9,6 +9,18 @@ in flight than the server queues, 500 only for a bug (/health is then 503 if the
 Streaming sends one ``data:`` chunk per engine step that produced text or finished (the last one carries
 ``finish_reason`` and ``metrics``), then, with ``stream_options.include_usage``, a chunk with ``usage`` and no
 choices, then ``data: [DONE]``. Responses and final chunks carry ``metrics.speculative_decoding`` (runner.py).
+
+Each text chunk also carries a non-standard ``verispec`` object (OpenAI clients keep it as an unknown field) that
+splits its text by how it was produced, and the request's running counts after the step::
+
+    "verispec": {"pieces": [{"text": "the accepted drafts' text", "draft": true},
+                            {"text": "the target's own token's text", "draft": false}],
+                 "completion_tokens": 17, "num_draft_tokens": 12, "num_accepted_tokens": 9}
+
+``draft: true`` is text of draft tokens the target accepted; ``draft: false`` is text of the token the target chose
+itself (a verify step's recovered or bonus token, or a plain step's token). Pieces are never empty, come in order
+and concatenate to the chunk's text (empty pieces list: a final chunk without new text). A token that completes a
+character or clears a possible stop string releases held-back text into its own piece.
 """
 
 from __future__ import annotations
@@ -19,9 +31,10 @@ import secrets
 import time
 import uuid
 from contextlib import asynccontextmanager
+from importlib import resources
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
@@ -32,7 +45,7 @@ from ..errors import ConfigError, VerispecError
 from ..llm import AR, LLM
 from .metrics import Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest, bad_request
-from .runner import Generation, QueueFull, Runner
+from .runner import Generation, QueueFull, Runner, StepEvent
 
 MAX_BODY_BYTES = 1 << 20
 BLOCK_SIZE = 16
@@ -128,6 +141,14 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
     async def prometheus():
         return Response(metrics.render(), headers={"Content-Type": metrics.content_type})
 
+    @app.get("/", response_class=HTMLResponse)
+    async def chat_page():
+        return HTMLResponse(static_file("chat.html"))
+
+    @app.get("/chat.js")
+    async def chat_script():
+        return Response(static_file("chat.js"), media_type="text/javascript")
+
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
         return e.response()
@@ -142,6 +163,11 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
         return APIError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
     return app
+
+
+def static_file(name: str) -> str:
+    """A file of the chat page (package data: static/)."""
+    return resources.files(__package__).joinpath("static", name).read_text(encoding="utf-8")
 
 
 async def read_body(request: Request, model: type[GenerateRequest]) -> GenerateRequest:
@@ -164,7 +190,7 @@ async def read_body(request: Request, model: type[GenerateRequest]) -> GenerateR
 async def finished_unless_disconnected(request: Request, gen: Generation) -> bool:
     """Wait for the generation's last step; False (and the wait cancelled) if the client goes first."""
     async def finished():
-        async for _ in gen.pieces():
+        async for _ in gen.events():
             pass
 
     async def disconnected():
@@ -218,13 +244,15 @@ class Reply:
         head = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion"}
         first = True
         try:
-            async for text, finish in self.gen.pieces():
+            async for event in self.gen.events():
+                text, finish = event.text, event.finish_reason
                 if self.chat:
                     delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
                     choice = {"index": 0, "delta": delta}
                 else:
                     choice = {"index": 0, "text": text}
                 chunk = {**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
+                chunk["verispec"] = origin(event)
                 if self.include_usage:
                     chunk["usage"] = None
                 if finish is not None:
@@ -238,3 +266,10 @@ class Reply:
             if self.include_usage:
                 yield f"data: {json.dumps({**head, 'choices': [], **self.summary()})}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def origin(event: StepEvent) -> dict:
+    """The ``verispec`` object of a chunk: its text by origin, and the running counts (module docstring)."""
+    return {"pieces": [{"text": p.text, "draft": p.draft} for p in event.pieces],
+            "completion_tokens": event.completion_tokens, "num_draft_tokens": event.num_draft_tokens,
+            "num_accepted_tokens": event.num_accepted_tokens}

@@ -2,8 +2,10 @@
 
 Routes submit a request through a thread-safe inbox; the engine thread encodes the prompt, adds it to the Engine
 and loops ``step()`` while there is work. Per request it detokenizes with a StopChecker (EOS, stop strings,
-max_tokens) and hands each step's text to the request's asyncio queue with ``loop.call_soon_threadsafe``. A stop
-string, or a client gone (``Generation.close``), aborts the request in the engine thread, which frees its blocks.
+max_tokens) and hands each step's text to the request's asyncio queue with ``loop.call_soon_threadsafe``, split by
+origin: the text of the step's accepted draft tokens, then that of the token the target chose itself (the recovered
+or bonus token of a verify step, or the token of a plain step). A stop string, or a client gone
+(``Generation.close``), aborts the request in the engine thread, which frees its blocks.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from ..config import SamplingParams, SpecConfig
 from ..engine import Engine, Request
@@ -31,6 +34,28 @@ class QueueFull(Exception):
     """More requests in flight than the server queues."""
 
 
+class Piece(NamedTuple):
+    """Streamed text of one origin: ``draft`` if accepted draft tokens made it, else the target's own token."""
+
+    text: str
+    draft: bool
+
+
+class StepEvent(NamedTuple):
+    """What one engine step streams for a request: its new text in pieces (in order, none empty) and the running
+    counts after it; ``finish_reason`` (OpenAI's) on the request's last event only."""
+
+    pieces: tuple[Piece, ...]
+    finish_reason: str | None
+    completion_tokens: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.pieces)
+
+
 @dataclass(eq=False)
 class Generation:
     """One request, shared by its route (event loop) and the engine thread. Only the engine thread writes the fields
@@ -42,7 +67,7 @@ class Generation:
     runner: Runner
     loop: asyncio.AbstractEventLoop
     admitted: asyncio.Future
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # (text, finish_reason) per step, or an Exception
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # a StepEvent per step, or an Exception
     arrival: float = field(default_factory=time.perf_counter)
     req: Request | None = None
     stopper: StopChecker | None = None
@@ -70,14 +95,14 @@ class Generation:
         return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": self.num_accepted_tokens, "mean_acceptance_length": round(mean, 4)}
 
-    async def pieces(self):
-        """Yield (text, finish_reason) per engine step that produced text or finished; the last has the reason."""
+    async def events(self):
+        """Yield a StepEvent per engine step that produced text or finished; the last has the finish reason."""
         while True:
             event = await self.queue.get()
             if isinstance(event, Exception):
                 raise event
             yield event
-            if event[1] is not None:
+            if event.finish_reason is not None:
                 return
 
     def close(self) -> None:
@@ -193,28 +218,29 @@ class Runner:
         gen.req = self.engine.add(ids, params, self.make_drafter(), self.spec.num_draft_tokens)
         gen.prompt_tokens = P
 
-    def _step(self) -> list[tuple[Generation, tuple[str, str | None]]]:
-        """One engine step -> (generation, (text, finish_reason)) for each that produced text or finished."""
+    def _step(self) -> list[tuple[Generation, StepEvent]]:
+        """One engine step -> (generation, event) for each that produced text or finished."""
         now, events = None, []
         for req in self.engine.step():
             gen = self._live.get(req.request_id)
             if gen is None:
                 continue
             now = now or time.perf_counter()
+            accepted = req.accepted - gen.num_accepted_tokens  # this step's accepted drafts: new_tokens' head
             self._count(gen, req, now)
             stopper = gen.stopper
-            stopper.append(req.new_tokens)
-            text = stopper.stream_piece()
+            pieces = detokenize(stopper, req.new_tokens, accepted)
+            finish = None
             if stopper.finished or req.finished:
                 if not req.finished:  # a stop string
                     self.engine.abort(req.request_id)
                 del self._live[req.request_id]
-                gen.finish_reason = FINISH_REASONS[stopper.finish_reason or req.finish_reason]
+                finish = gen.finish_reason = FINISH_REASONS[stopper.finish_reason or req.finish_reason]
                 gen.text = stopper.finalize()
                 self.metrics.e2e_latency.observe(now - gen.arrival)
-                events.append((gen, (text, gen.finish_reason)))
-            elif text:
-                events.append((gen, (text, None)))
+            if pieces or finish:
+                events.append((gen, StepEvent(pieces, finish, gen.completion_tokens, gen.num_draft_tokens,
+                                              gen.num_accepted_tokens)))
         return events
 
     def _count(self, gen: Generation, req: Request, now: float) -> None:
@@ -253,6 +279,19 @@ class Runner:
             gen.loop.call_soon_threadsafe(gen.queue.put_nowait, event)
         except RuntimeError:  # the event loop is closed: the server is stopping
             pass
+
+
+def detokenize(stopper: StopChecker, tokens: list[int], num_draft: int) -> tuple[Piece, ...]:
+    """Feed one step's tokens to ``stopper``: the first ``num_draft`` (accepted drafts), then the rest (the target's
+    token); their streamable text by origin. Text a token leaves incomplete goes out with a later piece, and nothing
+    is fed once the stopper has finished, so the pieces of all steps concatenate to the plain stream's text."""
+    pieces = []
+    for part, draft in ((tokens[:num_draft], True), (tokens[num_draft:], False)):
+        if part and not stopper.finished:
+            stopper.append(part)
+            if text := stopper.stream_piece():
+                pieces.append(Piece(text, draft))
+    return tuple(pieces)
 
 
 def _settle(future: asyncio.Future, error: Exception | None) -> None:
