@@ -91,6 +91,12 @@ class AutoDrafter:
         self.retry_after = NO_SPEC_RETRY  # plain rounds before the best drafter drafts again
         # (drafter, controller, K, draft seconds, hand-over time); drafter and controller None: a plain step
         self._round: tuple | None = None
+        self.catch_up = (0, 0.0)  # the chosen delegate's catch-up this round (tokens, seconds beyond drafting)
+
+    def lag(self, context: list[int]) -> int:
+        """Tokens of ``context`` that the delegates keeping state (a draft model, a head) have not read, the most of
+        any: in a batch the engine charges a first draft with that catch-up (engine/speculation.py)."""
+        return max((d.lag(context) for d in self.drafters.values() if hasattr(d, "lag")), default=0)
 
     def _use(self, memory: AutoMemory) -> None:
         self.memory = memory
@@ -175,6 +181,7 @@ class AutoDrafter:
         return Draft(torch.empty(1, 0, dtype=torch.long, device=request.device))
 
     def propose(self, request: DraftRequest) -> Draft:
+        self.catch_up = (0, 0.0)
         if self._memories is not None:
             self._remember(request)
         step = self._step_seconds()
@@ -212,6 +219,7 @@ class AutoDrafter:
             draft = d.propose(replace(request, num_tokens=cap))
             spent = time.perf_counter() - t0
             spent -= self._learn_catch_up(name, d)
+            self.catch_up = getattr(d, "catch_up", (0, 0.0))
         self._round = (d, ctl, draft.tokens.shape[1], spent, time.perf_counter())
         return replace(draft, source=name)
 
