@@ -7,6 +7,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import openai
+import pytest
 
 from conftest import MODEL, metric
 
@@ -144,3 +146,17 @@ def test_concurrent_requests_get_what_they_get_alone(client, base_url, app, monk
     assert metric(page, "verispec:kv_cache_usage_perc") == 0
     assert metric(page, "verispec:generation_tokens_total") >= 16 * 16
     assert metric(page, "verispec:e2e_request_latency_seconds_count") >= 16
+
+
+def test_a_request_sets_its_own_k(client):
+    """num_speculative_tokens: 0 turns speculation off for the request, N drafts N tokens every step (the last steps
+    excepted, or fewer where lookup finds fewer); the text is the same either way (greedy); out of range is a 400."""
+    kw = dict(prompt="abc abc abc abc abc abc", **{**GREEDY, "max_tokens": 24})
+    off = client.completions.create(**kw, extra_body={"num_speculative_tokens": 0})
+    three = client.completions.create(**kw, extra_body={"num_speculative_tokens": 3})
+    assert off.choices[0].text == three.choices[0].text
+    assert off.model_extra["metrics"]["speculative_decoding"]["num_drafts"] == 0
+    spec = three.model_extra["metrics"]["speculative_decoding"]
+    assert 0 < spec["num_drafts"] and spec["num_draft_tokens"] <= 3 * spec["num_drafts"]  # n-gram: up to K a step
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(**kw, extra_body={"num_speculative_tokens": 17})

@@ -112,7 +112,7 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
                            param="model", code="model_not_found")
         try:
             params = SamplingParams(max_new_tokens=max_tokens or 1, **body.sampling())
-            gen = await runner.submit(prompt, params, max_tokens)
+            gen = await runner.submit(prompt, params, max_tokens, body.num_speculative_tokens)
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None

@@ -87,6 +87,8 @@ class GenerateRequest(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    # verispec's own: draft exactly this many tokens a step (0: no speculation) instead of the cost model's choice
+    num_speculative_tokens: int | None = Field(None, ge=0, le=16)
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None

@@ -67,6 +67,7 @@ class Generation:
     runner: Runner
     loop: asyncio.AbstractEventLoop
     admitted: asyncio.Future
+    num_speculative_tokens: int | None = None  # the request's own K (fixed), or None: the cost model's
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # a StepEvent per step, or an Exception
     arrival: float = field(default_factory=time.perf_counter)
     req: Request | None = None
@@ -142,14 +143,14 @@ class Runner:
         return self.llm.make_drafter(self.spec)
 
     async def submit(self, prompt: str | list[int] | list[dict], params: SamplingParams,
-                     max_tokens: int | None) -> Generation:
+                     max_tokens: int | None, num_speculative_tokens: int | None = None) -> Generation:
         """Queue a request; raises QueueFull, or VerispecError when it can never run (bad prompt, too long)."""
         if not self.alive:
             raise RuntimeError("the engine thread has stopped")
         if self.in_flight >= self.max_in_flight:
             raise QueueFull(f"{self.in_flight} requests in flight, the most this server queues")
         loop = asyncio.get_running_loop()
-        gen = Generation(prompt, params, max_tokens, self, loop, loop.create_future())
+        gen = Generation(prompt, params, max_tokens, self, loop, loop.create_future(), num_speculative_tokens)
         self.in_flight += 1
         self._inbox.put(("add", gen))
         try:
@@ -215,7 +216,10 @@ class Runner:
                                 f"{self.context} tokens: shorten the prompt or lower max_tokens")
         params = dataclasses.replace(gen.params, max_new_tokens=max_new)
         gen.stopper = StopChecker(params, self.llm.eos_token_ids, self.llm.codec)
-        gen.req = self.engine.add(ids, params, self.make_drafter(), self.spec.num_draft_tokens)
+        K = gen.num_speculative_tokens
+        drafter = self.make_drafter() if K != 0 else None
+        gen.req = self.engine.add(ids, params, drafter, self.spec.num_draft_tokens if K is None else K,
+                                  fixed_k=K is not None)
         gen.prompt_tokens = P
 
     def _step(self) -> list[tuple[Generation, StepEvent]]:
