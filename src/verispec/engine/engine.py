@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..adaptive import ema, verify_seconds
+from ..drafters.auto import LONG_CATCH_UP, PRIOR_CATCH_UP
 from ..config import SamplingParams
 from ..drafters.base import DraftRequest
 from ..errors import VerispecError
@@ -36,8 +37,6 @@ from .scheduler import ScheduledChunk, Scheduler, Sequence, SequenceStatus
 from .speculation import SpecPolicy
 from .stats import Stats
 
-PRIOR_CATCH_UP = 0.03  # a catch-up token's cost in one-row forwards until one is measured (drafters/auto.py's prior)
-LONG_CATCH_UP = 16  # catch-ups longer than this are one-offs (a prompt): learned per token, spread over the steps left
 
 
 @dataclass(eq=False)
@@ -54,11 +53,17 @@ class Request:
     finish_reason: str | None = None  # "eos" | "length" | "abort"
     features: torch.Tensor | None = None  # [capacity, F]: the drafter's target hidden states, per position
     num_output: int = 0  # tokens generated so far (the sequence may hold more past an EOS that ended it)
-    drafted: int = 0
-    accepted: int = 0
     stats: Stats = field(default_factory=Stats)
     verify_s: dict[int, float] = field(default_factory=dict)  # verify size T -> EMA seconds of a step besides drafting
     last_round: tuple[int, float] | None = None  # (verify size, when its drafting ended) of the last drafting step
+
+    @property
+    def drafted(self) -> int:
+        return self.stats.drafted_tokens
+
+    @property
+    def accepted(self) -> int:
+        return self.stats.accepted_tokens
 
     @property
     def output_ids(self) -> list[int]:
@@ -214,8 +219,6 @@ class Engine:
         else:  # the drafter proposed nothing: a plain step
             n, new = 0, [next_token(logits[-1:], req.params, req.generator).item()]
         req.drafter.update(n)
-        req.drafted += K
-        req.accepted += n
         req.stats.record_round(K, n)
         if draft.source:
             record = req.stats.drafters.setdefault(draft.source, [0, 0, 0])  # rounds, drafted, accepted

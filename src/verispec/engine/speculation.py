@@ -15,9 +15,7 @@ drafts learns nothing, so it drafts once more after RETRY steps without, then af
 from __future__ import annotations
 
 from ..adaptive import DraftLengthController, ema, verify_seconds
-
-RETRY, RETRY_MAX = 4, 64  # steps without drafts before a request drafts again; doubled after each retry
-RETRY_MAX_CATCH_UP = 2.0  # a retry may first spend this many one-row forwards catching up, no more
+from ..drafters.auto import NO_SPEC_RETRY as RETRY, NO_SPEC_RETRY_MAX as RETRY_MAX, RETRY_MAX_CATCH_UP
 
 
 class SpecPolicy:
