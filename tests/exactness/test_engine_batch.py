@@ -95,11 +95,13 @@ def test_greedy_speculation_is_plain_decoding(models, kind, K):
     assert run(models, jobs_for(kind, K, False)) == run(models, jobs_for("ar", 0, False))
 
 
-def test_the_cost_model_picks_k_per_step_and_output_stays_exact(models):
+@pytest.mark.parametrize("kind", ["same", "ngram"])
+def test_the_cost_model_picks_k_per_step_and_output_stays_exact(models, kind):
     seen = {}
-    out = run(models, jobs_for("same", 4, False), seen=seen, fixed_k=False)
+    out = run(models, jobs_for(kind, 4, False), seen=seen, fixed_k=False)
     assert out == run(models, jobs_for("ar", 0, False))
-    assert sum(r.drafted for r in seen["requests"]) > 0  # some steps drafted
+    if kind == "ngram":  # lookups cost ~nothing next to a step: some steps draft (a draft model as dear as the
+        assert sum(r.drafted for r in seen["requests"]) > 0  # target, "same", rightly never beats plain steps)
 
 
 def test_sixteen_requests_together_get_what_llm_generate_gives_each_alone(models):

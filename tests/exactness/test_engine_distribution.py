@@ -48,6 +48,7 @@ SPEC, PLAIN, GREEDY = "spec", "plain", "greedy"
 WAVE = [(SPEC, 0), (PLAIN, 1), (SPEC, 2), (SPEC, 1), (GREEDY, 2), (SPEC, 0), (PLAIN, 0), (SPEC, 2), (SPEC, 1)]
 # (kind, prompt index) of a wave's requests, in arrival order
 WAVES = 500  # per positive case: 3,000 speculative draws (and 1,000 plain ones)
+FORWARD_S, ROW_S = 5e-3, 5e-5  # the scripted cost of a target forward: seconds, and seconds more a row
 WAVES_NEG = 300  # per negative control: fewer draws make rejection harder, so this is conservative
 
 CASES = {  # name: (seeded, SamplingParams fields); the draft is always the unrelated "other"
@@ -153,12 +154,21 @@ class ScriptedClock:
         return self.now
 
 
-def script_the_clocks(monkeypatch):
-    """The engine's clock ticks at random; the drafter's stands still (so its draft steps and catch-ups cost
-    nothing of their own and the engine's measure of a draft is one tick: the cost model then drafts in about a
-    quarter of the steps, K = 1 more often than K = 2)."""
-    monkeypatch.setattr(verispec.engine.engine, "time", ScriptedClock(1, 1e-4))
+def script_the_clocks(monkeypatch, models):
+    """The engine's clock ticks at random, and a target forward moves it on by a seeded random cost of mean
+    FORWARD_S + ROW_S a row (a step dearer than a draft, a row cheap: drafts sometimes pay); the drafter's clock
+    stands still (so its draft steps and catch-ups cost nothing of their own and the engine's measure of a draft is
+    a tick or two). The cost model then drafts in some steps and not in others, with K = 1 and K = 2."""
+    clock, rng = ScriptedClock(1, 1e-4), np.random.default_rng(2)
+    monkeypatch.setattr(verispec.engine.engine, "time", clock)
     monkeypatch.setattr(verispec.drafters.draft_model, "time", ScriptedClock(0, 0.0))
+    forward = models.target.forward_paged
+
+    def timed(input_ids, *args, **kwargs):
+        clock.now += float(rng.exponential(FORWARD_S + ROW_S * len(input_ids)))
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(models.target, "forward_paged", timed)
 
 
 class CountingDrafter(DraftModelDrafter):
@@ -232,7 +242,7 @@ def pvalue(tables, counts: np.ndarray, params: SamplingParams) -> float:
 def draw(models, monkeypatch, name: str, n_waves: int) -> tuple[Outcome, SamplingParams]:
     seeded, kw = CASES[name]
     if not seeded:
-        script_the_clocks(monkeypatch)
+        script_the_clocks(monkeypatch, models)
     params = SamplingParams(**kw)
     return run_waves(models, n_waves, params, seeded), params
 

@@ -16,8 +16,21 @@ def policy(step_s: float, row_s: float, acceptance: dict[int, float], t_draft: f
     return p
 
 
-def test_before_any_measurement_every_request_drafts_its_most():
-    assert SpecPolicy().choose({0: 4, 1: 2}, base_rows=2) == {0: 4, 1: 2}
+def test_no_request_drafts_before_a_forward_is_measured():
+    assert SpecPolicy().choose({0: 4, 1: 2}, base_rows=2) == {0: 0, 1: 0}
+
+
+def test_prompt_chunks_alone_never_make_the_bar_look_low():
+    # only prompt chunks measured, 300 rows in 4.8 s and 292 in 5 s (noise): extended down, that (flat) line costs
+    # 2 rows 5 s, so any draft would look cheap; costed at the chunks' 17 ms a row instead, two plain rows yield
+    # 60 tokens/s, which a draft at the prior acceptance (0.6) costing 16 ms of drafting and 17 ms a row does not
+    p = SpecPolicy()
+    p.observe_forward(300, 4.8)
+    p.observe_forward(292, 5.0)
+    assert p._plain_seconds(2) < 0.035
+    for rid in (0, 1):
+        p.controller(rid, 4).t_draft = 0.016
+    assert p.choose({0: 4, 1: 4}, base_rows=2) == {0: 0, 1: 0}
 
 
 def test_alone_with_cheap_rows_a_good_drafter_drafts_its_most():
@@ -66,3 +79,34 @@ def test_a_drafter_that_must_first_read_its_prompt_waits_and_is_not_retried():
     never = policy(step_s=0.045, row_s=0.002, acceptance={0: 0.0}, t_draft=0.001)
     ks = [never.choose({0: 8}, base_rows=1, catch_up={0: (0.35, 0.0)})[0] for _ in range(40)]
     assert ks == [0] * 40  # a retry would cost 0.35 s, more than RETRY_MAX_CATCH_UP steps: none
+
+
+def test_a_step_that_reads_prompts_is_valued_as_a_plain_step_of_its_sequences():
+    # 8 sequences, 2 of them decoding, 300 prompt rows: the step yields 2 tokens for 4.5 s, so any draft would
+    # raise *its* tokens per second; but a draft's 27 ms delays all 8, which decode at 8 / 0.15 s without drafts
+    p = policy(step_s=0.045, row_s=0.015, acceptance={0: 0.8, 1: 0.8}, t_draft=0.012)
+    assert p.choose({0: 4, 1: 4}, base_rows=302, seqs=8) == {0: 0, 1: 0}
+    assert sum(p.choose({0: 4}, base_rows=1, seqs=1).values()) > 0  # the same request alone drafts
+
+
+def test_no_retry_where_even_perfect_drafts_would_lose():
+    # 16 sequences, a row costs 19 ms, a draft 16 ms: one perfect draft gives 1 token in 35 ms, below the plain
+    # 16 tokens in 0.33 s; measuring a poor drafter's acceptance again cannot pay, however long it waited
+    batch = policy(step_s=0.045, row_s=0.019, acceptance={i: 0.0 for i in range(16)}, t_draft=0.016)
+    ks = [batch.choose({i: 4 for i in range(16)}, base_rows=16) for _ in range(40)]
+    assert all(sum(k.values()) == 0 for k in ks)
+    alone = policy(step_s=0.045, row_s=0.002, acceptance={0: 0.0}, t_draft=0.016)
+    ks = [alone.choose({0: 4}, base_rows=1)[0] for _ in range(12)]
+    assert [i for i, k in enumerate(ks) if k] == [3, 11]  # alone, it still retries
+
+
+def test_a_noisy_forward_timing_does_not_make_a_row_free():
+    # t(16) measured below t(15) (a 10-20% swing between steps is common on a busy CPU): the next-size difference
+    # is negative, which would rate a draft infinitely good; the slope over nearby sizes is ~19 ms a row
+    p = SpecPolicy()
+    for rows, t in {1: 0.045, 8: 0.15, 12: 0.23, 15: 0.31, 16: 0.29, 17: 0.32, 24: 0.45, 32: 0.6}.items():
+        p.observe_forward(rows, t)
+    ctl = p.controller(0, 4)
+    ctl.acceptance = [0.6] * 4
+    assert 0.015 < p._row_seconds(15) < 0.025
+    assert p.choose({0: 4} | {i: 0 for i in range(1, 15)}, base_rows=15) == {0: 0} | {i: 0 for i in range(1, 15)}

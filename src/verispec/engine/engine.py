@@ -140,7 +140,8 @@ class Engine:
         flexible = {c.seq.seq_id: c.num_draft for c in chunks
                     if c.num_draft and not self.requests[c.seq.seq_id].fixed_k}
         catch_up = {rid: self._catch_up(self.requests[rid]) for rid in flexible}
-        K = {c.seq.seq_id: c.num_draft for c in chunks} | self.policy.choose(flexible, base_rows, catch_up)
+        K = {c.seq.seq_id: c.num_draft for c in chunks} | self.policy.choose(
+            flexible, base_rows, catch_up, seqs=len(chunks))
         # 2. propose: K drafts per decoding request that gets any (a drafter may propose fewer, even none)
         drafts, rows, ids, draft_s = [], [], [], []
         for chunk in chunks:
