@@ -211,19 +211,25 @@ def test_q4_pack_round_trips_representable_weights():
     torch.testing.assert_close(dequantize_q4(*pack_q4(w), 12, 128), w, rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("path", ["avx512-vnni", "avx2"])
 @pytest.mark.parametrize("G,hd", [(2, 64), (7, 64), (6, 128), (9, 32)])
-@pytest.mark.parametrize("lo,hi", [(0, 1), (0, 15), (0, 16), (3, 40), (0, 203)])
-def test_attention_avx512_path_is_bitwise_the_plain_loops(G, hd, lo, hi):
-    """The fused layer's attention (csrc/decoder_layer.cpp): attend_avx512 (16 keys' scores at a time) against
-    attend's plain loops, compared before the bf16 rounding of the output (which hides a one-rounding
-    difference): weights and fp32 sums bit for bit; both close to float64 attention. Whole blocks of 16 keys,
-    keys after them, fewer than 16, a window not starting at 0, and more than 8 heads (two groups of sums)."""
-    if "avx512-vnni" not in kernels.cpu_isas():
-        pytest.skip(f"no AVX512 path on this CPU ({kernels.cpu_isas()})")
+@pytest.mark.parametrize("lo,hi", [(0, 1), (0, 3), (0, 15), (0, 16), (3, 40), (0, 203)])
+def test_attention_vector_paths_are_bitwise_the_plain_loops(path, G, hd, lo, hi):
+    """The fused layer's attention (csrc/decoder_layer.cpp): attend_avx512 (16 keys' scores at a time) and
+    attend_avx2 (4 keys at a time) against attend's plain loops, compared before the bf16 rounding of the output
+    (which hides a one-rounding difference): weights and fp32 sums bit for bit; both close to float64 attention.
+    Whole blocks of keys, keys after them, fewer than a block, a window not starting at 0, and more than 8 heads
+    (two groups of sums)."""
+    if path not in kernels.cpu_isas():
+        pytest.skip(f"no {path} path on this CPU ({kernels.cpu_isas()})")
     g = torch.Generator().manual_seed(G * 1000 + hd + hi)
     q = (torch.randn(G, hd, generator=g) * 2).bfloat16()
     k, v = (torch.randn(hi + 2, hd, generator=g) * 2).bfloat16(), torch.randn(hi + 2, hd, generator=g).bfloat16()
-    fast = kernels._C.attend_parts(q, k, v, lo, hi, True)
+    try:
+        kernels.set_isa("avx2" if path == "avx2" else "auto")
+        fast = kernels._C.attend_parts(q, k, v, lo, hi, True)
+    finally:
+        kernels.set_isa("auto")
     plain = kernels._C.attend_parts(q, k, v, lo, hi, False)
     for name, a, b in zip(("weights", "sums", "out"), fast, plain):
         assert torch.equal(a, b), name
