@@ -48,7 +48,7 @@ SPEC, PLAIN, GREEDY = "spec", "plain", "greedy"
 WAVE = [(SPEC, 0), (PLAIN, 1), (SPEC, 2), (SPEC, 1), (GREEDY, 2), (SPEC, 0), (PLAIN, 0), (SPEC, 2), (SPEC, 1)]
 # (kind, prompt index) of a wave's requests, in arrival order
 WAVES = 500  # per positive case: 3,000 speculative draws (and 1,000 plain ones)
-FORWARD_S, ROW_S = 5e-3, 5e-5  # the scripted cost of a target forward: seconds, and seconds more a row
+FORWARD_S, ROW_S = 4e-2, 5e-4  # the scripted cost of a target forward: seconds, and seconds more a row
 WAVES_NEG = 300  # per negative control: fewer draws make rejection harder, so this is conservative
 
 CASES = {  # name: (seeded, SamplingParams fields); the draft is always the unrelated "other"

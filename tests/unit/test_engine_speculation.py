@@ -45,12 +45,12 @@ def test_speculation_backs_off_as_the_batch_grows():
     p = policy(step_s=0.045, row_s=0.015, acceptance={i: 0.8 for i in range(8)}, t_draft=0.012)
     assert p._allot({0: 4}, base_rows=1) == {0: 1}
     assert p._allot({i: 4 for i in range(8)}, base_rows=8) == dict.fromkeys(range(8), 0)
-    cheap = policy(step_s=0.045, row_s=0.002, acceptance={i: 0.8 for i in range(8)}, t_draft=0.002)
+    cheap = policy(step_s=0.045, row_s=0.001, acceptance={i: 0.8 for i in range(8)}, t_draft=0.001)
     assert sum(cheap._allot({i: 4 for i in range(8)}, base_rows=8).values()) > 8  # cheap rows: drafts pay again
 
 
 def test_drafts_go_to_the_requests_most_likely_to_be_accepted():
-    p = policy(step_s=0.045, row_s=0.015, acceptance={0: 0.95, 1: 0.3}, t_draft=0.012)
+    p = policy(step_s=0.045, row_s=0.015, acceptance={0: 0.95, 1: 0.3}, t_draft=0.008)
     k = p._allot({0: 4, 1: 4}, base_rows=2)
     assert k[0] > 0 and k[1] == 0
 
@@ -110,3 +110,17 @@ def test_a_noisy_forward_timing_does_not_make_a_row_free():
     ctl.acceptance = [0.6] * 4
     assert 0.015 < p._row_seconds(15) < 0.025
     assert p.choose({0: 4} | {i: 0 for i in range(1, 15)}, base_rows=15) == {0: 0} | {i: 0 for i in range(1, 15)}
+
+
+def test_a_new_request_starts_from_the_draft_cost_others_measured():
+    # alone, a row costs 8 ms and a step 45: a fresh request's first draft, 15 ms of its prompt catch-up charged to
+    # it, pays at the prior acceptance only if drafting were free (0.6 / 23 ms > 1.1 / 45 ms); its draft model costs
+    # 16 ms a token, as every earlier request measured (0.6 / 39 ms < 1.1 / 45 ms)
+    p = policy(step_s=0.045, row_s=0.008, acceptance={})
+    assert p.choose({9: 4}, base_rows=1, catch_up={9: (0.5, 0.015)})[9] > 0
+    p = policy(step_s=0.045, row_s=0.008, acceptance={})
+    p.controller(0, 4)
+    for _ in range(5):
+        p.observe(0, 2, 1, 0.032)  # 16 ms a drafted token
+    p.forget(0)
+    assert p.choose({1: 4}, base_rows=1, catch_up={1: (0.5, 0.015)})[1] == 0

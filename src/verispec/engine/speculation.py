@@ -5,7 +5,8 @@ drafter's steps (drafters run one request after another). With the measured forw
 request's draft cost per token and its per-position acceptance (costmodel.py), the step yields
 ``sum_i E_i(k_i)`` tokens (E(k) = 1 + sum_{j<=k} P(first j accepted)) for ``sum_i k_i t_draft_i + t(N)``
 seconds. Drafts are handed out one at a time to the request whose next draft adds the most expected tokens per
-second of extra step time, while that beats the step's tokens per second. The step is valued as a plain decoding
+second of extra step time, while that beats the step's tokens per second by SPEC_MARGIN (as auto asks of a
+drafter: near break-even the estimates run ~10% optimistic). The step is valued as a plain decoding
 step of all its sequences: a step that also reads prompt chunks yields few tokens for many rows, yet every second a
 draft adds to it delays the whole batch, which would otherwise decode at the plain rate. A row's cost is the slope
 of the forward costs measured at nearby sizes (two neighbouring timings are noisier than a row). One request alone
@@ -19,7 +20,7 @@ and the retry's catch-up stalls the batch for at most RETRY_MAX_CATCH_UP of its 
 from __future__ import annotations
 
 from ..adaptive import DraftLengthController, ema, verify_seconds
-from ..drafters.auto import NO_SPEC_RETRY as RETRY, NO_SPEC_RETRY_MAX as RETRY_MAX, RETRY_MAX_CATCH_UP
+from ..drafters.auto import NO_SPEC_RETRY as RETRY, NO_SPEC_RETRY_MAX as RETRY_MAX, RETRY_MAX_CATCH_UP, SPEC_MARGIN
 
 
 class SpecPolicy:
@@ -29,10 +30,14 @@ class SpecPolicy:
         self.t_forward: dict[int, float] = {}  # rows in the target forward -> EMA seconds
         self.controllers: dict[int, DraftLengthController] = {}  # request id -> its acceptance and draft cost
         self.idle: dict[int, tuple[int, int]] = {}  # request id -> (steps without drafts, steps before a retry)
+        self.t_draft: float | None = None  # EMA seconds per drafted token over all requests: where a new one starts
 
     def controller(self, request_id: int, k_max: int) -> DraftLengthController:
+        """A request's estimates; a new one starts from the prior acceptance and from the draft cost earlier
+        requests measured (its drafts are not free before its first round)."""
         if request_id not in self.controllers:
-            self.controllers[request_id] = DraftLengthController(1, max(k_max, 1))
+            self.controllers[request_id] = ctl = DraftLengthController(1, max(k_max, 1))
+            ctl.t_draft = self.t_draft
         return self.controllers[request_id]
 
     def forget(self, request_id: int) -> None:
@@ -46,6 +51,7 @@ class SpecPolicy:
         """A request drafted k tokens in draft_s seconds and the verifier accepted num_accepted of them."""
         if k and request_id in self.controllers:
             self.controllers[request_id].observe(k, num_accepted, draft_s, 0.0)
+            self.t_draft = ema(self.t_draft, draft_s / k)
 
     def choose(self, wanted: dict[int, int], base_rows: int, catch_up: dict[int, tuple[float, float]] | None = None,
                seqs: int | None = None) -> dict[int, int]:
@@ -100,8 +106,8 @@ class SpecPolicy:
                 rate = gain / cost if cost > 0 else float("inf")
                 if rate > best_rate:
                     best, best_rate = rid, rate
-            if best is None or best_rate <= tokens / seconds:  # one more draft would lower tokens per second
-                return k
+            if best is None or best_rate <= SPEC_MARGIN * tokens / seconds:  # one more draft would not raise the
+                return k  # step's tokens per second by the margin auto asks of a drafter (estimates run optimistic)
             ctl = self.controllers[best]
             tokens += _joint(ctl.rates(), k[best] + 1)
             seconds += self._draft_cost(ctl, rows) + (0.0 if k[best] else first_cost.get(best, 0.0))
