@@ -139,6 +139,26 @@ __attribute__((always_inline)) inline void softmax_rows(float* p, int64_t G, int
   }
 }
 
+// scores of keys [j0, S) (of lo + j0 ..) one at a time, lane_reduce's order: p[h * S + j] for G scaled queries qf
+__attribute__((always_inline)) inline void scores_from(int64_t j0, const float* qf, const uint16_t* k, float* p,
+                                                       int64_t G, int64_t hd, int64_t lo, int64_t S) {
+  for (int64_t j = j0; j < S; ++j) {
+    for (int64_t h = 0; h < G; ++h) {
+      const float* qh = qf + h * hd;
+      const uint16_t* kr = k + (lo + j) * hd;
+      p[h * S + j] = lane_reduce(hd, [&](int64_t dd) { return qh[dd] * bits(kr[dd]); });
+    }
+  }
+}
+
+// out[i] = bf16 bits of acc[i]
+__attribute__((always_inline)) inline void store_bf16(const float* acc, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const bf16 r = static_cast<bf16>(acc[i]);
+    std::memcpy(out + i, &r, 2);
+  }
+}
+
 // G query heads q [G, hd] against keys/values [lo, hi) of one KV head (rows of hd) -> out [G, hd] (bf16
 // bits). Plain loops the compiler vectorizes.
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
@@ -166,10 +186,7 @@ void attend(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o
       for (int64_t d = 0; d < hd; ++d) acc[h * hd + d] += pj * row[d];
     }
   }
-  for (int64_t i = 0; i < G * hd; ++i) {
-    const bf16 r = static_cast<bf16>(acc[i]);
-    std::memcpy(out + i, &r, 2);
-  }
+  store_bf16(acc, out, G * hd);
 }
 
 // 16 bf16 -> float, as bits()
@@ -219,13 +236,7 @@ void attend_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint
       _mm512_storeu_ps(p + h * S + j, _mm512_permutexvar_ps(order, r));
     }
   }
-  for (; j < S; ++j) {  // the last keys one at a time, as attend() does
-    for (int64_t h = 0; h < G; ++h) {
-      const float* qh = qf + h * hd;
-      const uint16_t* kr = k + (lo + j) * hd;
-      p[h * S + j] = lane_reduce(hd, [&](int64_t dd) { return qh[dd] * bits(kr[dd]); });
-    }
-  }
+  scores_from(j, qf, k, p, G, hd, lo, S);  // the last keys one at a time, as attend() does
   softmax_rows(p, G, S);
   for (int64_t h0 = 0; h0 < G; h0 += 8) {
     const int64_t gn = std::min<int64_t>(8, G - h0);
@@ -240,10 +251,7 @@ void attend_avx512(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint
       for (int hh = 0; hh < gn; ++hh) _mm512_storeu_ps(acc + (h0 + hh) * hd + 16 * c, o[hh]);
     }
   }
-  for (int64_t i = 0; i < G * hd; ++i) {
-    const bf16 r = static_cast<bf16>(acc[i]);
-    std::memcpy(out + i, &r, 2);
-  }
+  store_bf16(acc, out, G * hd);
 }
 
 // 8 bf16 -> float, as bits()
@@ -292,13 +300,7 @@ void attend_avx2(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16
       for (int64_t jj = 0; jj < J; ++jj) p[h * S + j + jj] = tree16(a[jj][0], a[jj][1]);
     }
   }
-  for (; j < S; ++j) {  // the last keys one at a time, as attend() does
-    for (int64_t h = 0; h < G; ++h) {
-      const float* qh = qf + h * hd;
-      const uint16_t* kr = k + (lo + j) * hd;
-      p[h * S + j] = lane_reduce(hd, [&](int64_t dd) { return qh[dd] * bits(kr[dd]); });
-    }
-  }
+  scores_from(j, qf, k, p, G, hd, lo, S);  // the last keys one at a time, as attend() does
   softmax_rows(p, G, S);
   for (int64_t h0 = 0; h0 < G; h0 += 8) {
     const int64_t gn = std::min<int64_t>(8, G - h0);
@@ -313,10 +315,7 @@ void attend_avx2(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16
       for (int hh = 0; hh < gn; ++hh) _mm256_storeu_ps(acc + (h0 + hh) * hd + 8 * c, o[hh]);
     }
   }
-  for (int64_t i = 0; i < G * hd; ++i) {
-    const bf16 r = static_cast<bf16>(acc[i]);
-    std::memcpy(out + i, &r, 2);
-  }
+  store_bf16(acc, out, G * hd);
 }
 
 using AttendFn = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t,
