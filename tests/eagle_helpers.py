@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from verispec.models.config import ModelConfig
-from verispec.models.eagle import EagleHead, HeadConfig, save_head
+from verispec.heads import Eagle3Config, Eagle3Head, save_head
 
 
 def random_head(path: Path, target_cfg: ModelConfig, rows: list[int] | None = None, seed: int = 0,
@@ -15,7 +15,7 @@ def random_head(path: Path, target_cfg: ModelConfig, rows: list[int] | None = No
     """A random head for a target (its draft vocabulary: ``rows``, default all), saved without an LM head (the
     loader takes the target's rows)."""
     rows = list(range(target_cfg.vocab_size)) if rows is None else rows
-    head = EagleHead(HeadConfig.for_target(target_cfg, None, len(rows)))
+    head = Eagle3Head(Eagle3Config.for_target(target_cfg, None, len(rows)))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():

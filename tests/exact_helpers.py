@@ -1,6 +1,6 @@
 """Shared by the exactness tests: the chi-square statistic, a float64 reference of the sampling
-transform, deliberately broken verifiers for the negative controls, and the bf16 bits the C++ kernels
-must write.
+transform, deliberately broken verifiers for the negative controls, a toy prefix-dependent logits processor
+(BanLast), and the bf16 bits the C++ kernels must write.
 
 ``variant_verify(bug)`` is a compact re-implementation of speculative sampling (Leviathan et al.
 2022, Algorithm 1) with one switchable mistake; ``bug=None`` is the correct rule, so the harness can
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import chisquare
 
-from verispec.sampling import logits_to_probs
-from verispec.verify import PLACEHOLDER_TOKEN_ID, Verdict
+from verispec.sampling import LogitsProcessor, row_prefixes
+from verispec.spec.verify import PLACEHOLDER_TOKEN_ID, Verdict
 
 ALPHA = 1e-3
 
@@ -25,20 +25,27 @@ BUGS = {
     "recover_from_p": "recovered token drawn from p instead of norm(max(0, p - q))",
     "bonus_from_p_K": "bonus token drawn from p_K instead of p_{K+1} (off by one)",
     "shared_u": "one uniform per round shared by all K positions instead of one per position",
+    "committed_prefix_only": "every row's processors given the committed context, ignoring the drafts before it",
 }
 
 
 def variant_verify(bug: str | None):
     assert bug in BUGS, bug
 
-    def verify(target_logits, draft_tokens, draft_probs, params, generator) -> Verdict:
+    def verify(target_logits, draft_tokens, draft_probs, chain, generator, contexts=None) -> Verdict:
         B, K = draft_tokens.shape
-        p = logits_to_probs(target_logits, params)  # [B, K+1, V]
+        if chain.prefix_independent or contexts is None:
+            prefixes = None
+        elif bug == "committed_prefix_only":
+            prefixes = [ctx for ctx in contexts for _ in range(K + 1)]
+        else:
+            prefixes = row_prefixes(contexts, draft_tokens)  # row i: context + drafts[:i]
+        p = chain.probs(prefixes, target_logits)  # [B, K+1, V]
         V = p.shape[-1]
         q = F.one_hot(draft_tokens, V).to(p.dtype) if draft_probs is None else draft_probs  # [B, K, V]
         x = draft_tokens[..., None]
         p_x, q_x = p[:, :K].gather(-1, x)[..., 0], q.gather(-1, x)[..., 0]  # [B, K]
-        if params.greedy:
+        if chain.greedy:
             u = torch.zeros_like(p_x)
         elif bug == "shared_u":
             u = torch.rand((B, 1), generator=generator).expand(B, K)
@@ -59,7 +66,7 @@ def variant_verify(bug: str | None):
             residual = p_n
         mass = residual.sum(-1, keepdim=True)
         residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p_n)
-        extra = residual.argmax(-1) if params.greedy else torch.multinomial(residual, 1, generator=generator)[:, 0]
+        extra = residual.argmax(-1) if chain.greedy else torch.multinomial(residual, 1, generator=generator)[:, 0]
         tokens = torch.full((B, K + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
         keep = torch.arange(K)[None] < n[:, None]
         tokens[:, :K] = torch.where(keep, draft_tokens, PLACEHOLDER_TOKEN_ID)
@@ -68,6 +75,13 @@ def variant_verify(bug: str | None):
 
     verify.__name__ = f"verify_{bug or 'copy'}"
     return verify
+
+
+class BanLast(LogitsProcessor):
+    """A toy prefix-dependent processor: the token that ends the prefix never comes next (logits [V] -> [V])."""
+
+    def __call__(self, prefix, logits):
+        return logits.index_fill(-1, torch.tensor([prefix[-1]], device=logits.device), float("-inf"))
 
 
 def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:

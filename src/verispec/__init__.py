@@ -3,8 +3,8 @@
 import os as _os
 
 # Large tensors on 2 MiB transparent huge pages (PyTorch's CPU allocator honours this flag when it is
-# set before its first large allocation): fewer TLB misses while streaming weights, ~5% faster decode
-# measured here. Set THP_MEM_ALLOC_ENABLE=0 to opt out.
+# set before its first large allocation): fewer TLB misses while streaming weights, a faster decode
+# (measured: docs/BENCHMARKS.md, "bf16 (dequantized) target"). Set THP_MEM_ALLOC_ENABLE=0 to opt out.
 _os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from .config import EngineConfig, SamplingParams  # noqa: E402

@@ -1,4 +1,4 @@
-"""`verispec` command line: generate, serve, models list/pull, bench, bench-serve, train-head.
+"""`verispec` command line: generate, serve, models list/pull, bench, bench-serve, train-head, distill.
 
 Bad input ends in one line on stderr ("verispec: error: ...") and exit status 2; no tracebacks
 (set VERISPEC_DEBUG=1 to see one for an unexpected internal error).
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .training.cli import add_train_parser
 
     add_train_parser(sub)
+    from .training.distill import add_distill_parser
+
+    add_distill_parser(sub)
     return parser
 
 
@@ -145,11 +148,10 @@ def cmd_serve(args) -> int:
         from .server import create_app
     except ImportError as e:
         raise VerispecError(f"verispec serve needs {e.name}: pip install 'verispec[serve]'") from None
-    from . import drafters
-    from .llm import AR, LLM
+    from .drafters import check_method
+    from .llm import LLM
 
-    if args.method != AR and args.method not in drafters.METHODS:
-        raise VerispecError(f"unknown method {args.method!r} (available: {', '.join([AR, *drafters.METHODS])})")
+    check_method(args.method)
     app_options = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, spec_options=spec_options(args),
                        max_num_seqs=args.max_num_seqs, kv_cache_tokens=args.kv_cache_tokens, api_key=args.api_key)
     if args.ray_replicas:
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return EXIT_USAGE
         handler = {"generate": cmd_generate, "serve": cmd_serve, "models": cmd_models, "bench": _bench,
-                   "train-head": _train_head, "bench-serve": cmd_bench_serve}[args.command]
+                   "train-head": _train_head, "bench-serve": cmd_bench_serve, "distill": _distill}[args.command]
         return handler(args)
     except VerispecError as e:
         print(f"verispec: error: {e}", file=sys.stderr)
@@ -248,6 +250,12 @@ def _train_head(args) -> int:
     from .training.cli import run_train
 
     return run_train(args)
+
+
+def _distill(args) -> int:
+    from .training.distill import run_distill
+
+    return run_distill(args)
 
 
 def _bench(args) -> int:

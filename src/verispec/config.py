@@ -7,11 +7,12 @@ with a one-line message naming the field.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .errors import ConfigError
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+_SAMPLING_EPS = 1e-5  # a temperature below this is greedy: logits / T would overflow to inf and NaN (vLLM's rule)
 DEVICES = ("cpu", "cuda")
 
 
@@ -44,7 +45,8 @@ def _is_real(x) -> bool:
 class SamplingParams:
     """How to turn logits into tokens, and when to stop.
 
-    temperature == 0 is greedy decoding (argmax); top_k == 0 and top_p == 1.0 disable those filters.
+    temperature 0 (or any below _SAMPLING_EPS, kept as given) is greedy decoding (argmax); top_k == 0 and
+    top_p == 1.0 disable those filters.
     ``stop`` strings end generation; the returned text excludes the stop string.
     """
 
@@ -73,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < _SAMPLING_EPS
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,11 @@ class SpecConfig:
                f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
         _check(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
         _check(isinstance(self.early_stop, bool), f"early_stop must be True or False, got {self.early_stop!r}")
+
+    def with_k(self, num_draft_tokens: int) -> SpecConfig:
+        """This configuration for one request's K (min_draft_tokens lowered to fit)."""
+        return replace(self, num_draft_tokens=num_draft_tokens,
+                       min_draft_tokens=min(self.min_draft_tokens, num_draft_tokens))
 
 
 DRAFT_QUANT_BITS = {"int8": 8, "int4": 4}

@@ -8,9 +8,9 @@ of the set (its q is 0 elsewhere), and recovered and bonus tokens come from the 
 distribution. What N costs is acceptance: a target token outside the set can never be drafted.
 
 The default draft keeps 49,152 rows (models/registry.py): its packaged table, counted from model samples and a
-code corpus, covers 98.5% of the target's code tokens at 49k rows, and gave the same acceptance as the full
-head with a 13% cheaper draft step; a table from model samples alone cost more acceptance on code at 32k or
-49k rows than it saved (docs/BENCHMARKS.md, "Draft vocabulary"). Other drafts keep their full head unless
+code corpus, covers nearly all of the target's code tokens at 49k rows, and gave the same acceptance as the full
+head with a cheaper draft step; a table from model samples alone cost more acceptance on code at 32k or 49k rows
+than it saved (measured: docs/BENCHMARKS.md, "Draft vocabulary"). Other drafts keep their full head unless
 asked.
 
 The frequency ranking ships per tokenizer (``data/*.draft-vocab``) and is rebuilt with

@@ -13,17 +13,18 @@ from pathlib import Path
 import torch
 
 from . import draft_vocab, drafters
+from .drafters import AR
 from .config import DRAFT_QUANT_BITS, EngineConfig, SamplingParams, SpecConfig
 from .engine import Engine
 from .errors import ConfigError, VerispecError
+from .heads import DraftHead, load_head
 from .models.kv_cache import PrefixCache
 from .models.loader import LoadedModel, auto_dtype, load
-from .models.eagle import EagleHead, frozen_rows, read_head
 from .models.registry import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
+from .frontend import fit_context
 from .stopping import StopChecker
 from .tokenizer import Codec
 
-AR = "ar"
 BLOCK_SIZE = 16  # KV cache block of a single request's engine
 
 
@@ -66,7 +67,7 @@ class LLM:
         self.device = self.engine_config.resolved_device()
         self._draft_source = draft or DEFAULT_DRAFT.get(target)
         self._head_source, self._head_given = head or DEFAULT_HEAD.get(target), head is not None
-        self.head: EagleHead | None = None
+        self.head: DraftHead | None = None
         ec = self.engine_config
         self.dtype = (auto_dtype(target, ec.weights, self.device, self._draft_source) if ec.dtype == "auto"
                       else getattr(torch, ec.dtype))
@@ -78,6 +79,7 @@ class LLM:
         self.draft_calibrations: dict = {}  # the draft model's confidence -> acceptance, per sampling setting
         self.draft_prefixes = PrefixCache()  # the draft's KV cache from the last request (drafters/draft_model.py)
         self.auto_memory: dict = {}  # what method auto measured (costs, acceptance), for the next request
+        self._engine: Engine | None = None  # built on first use (_engine_for)
         if draft:
             self.draft_model()
 
@@ -109,24 +111,15 @@ class LLM:
         return self.head is not None or self._head_given or (self._head_source is not None
                                                                and Path(self._head_source).exists())
 
-    def eagle_head(self) -> EagleHead:
-        """The EAGLE-3 draft head (``head=`` or the one that ships for the default target), loaded and checked
-        against the target on first use: the target's embedding table and, when the file has no LM head, the
-        target's rows for the head's draft vocabulary; int8 matrices on CPU."""
+    def eagle_head(self) -> DraftHead:
+        """The draft head (``head=`` or the one that ships for the default target; any family heads/io.py reads),
+        loaded and checked against the target on first use: the target's embedding table and, when the file has no
+        LM head, the target's rows for the head's draft vocabulary; int8 matrices on CPU."""
         if self.head is None:
             if self._head_source is None:
                 raise VerispecError("method eagle needs a draft head for this target: pass LLM(head=DIR) or --head "
                                     "(verispec train-head makes one)")
-            head, has_lm_head = read_head(self._head_source, self.target.config, str(self.target.source))
-            if not has_lm_head:
-                with torch.no_grad():
-                    head.lm_head.weight.copy_(frozen_rows(self.target.model.lm_head, head.d2t))
-            head = head.to(self.device, self.dtype)
-            head.d2t = head.d2t.to(self.device)
-            head.attach_embedding(self.target.model.embed_tokens)
-            head.requires_grad_(False)
-            head.quantize(8)
-            self.head = head
+            self.head = load_head(self._head_source, self.target, self.device, self.dtype)
         return self.head
 
     def with_draft_quant(self, draft_quant: str | None) -> LLM:
@@ -185,49 +178,66 @@ class LLM:
 
     def make_drafter(self, spec: SpecConfig):
         """A drafter for one request of ``spec.method`` (None for plain decoding)."""
-        if spec.method != AR and spec.method not in drafters.METHODS:
-            raise ConfigError(f"unknown method {spec.method!r} (available: {', '.join([AR, *drafters.METHODS])})")
+        drafters.check_method(spec.method)
         drafter = drafters.METHODS[spec.method](self, spec) if spec.method != AR else None
-        if drafter is not None and spec.adaptive and not getattr(drafter, "adaptive", False):
+        if drafter is not None and spec.adaptive and not drafter.adaptive:
             # adaptive K is auto's choice with one candidate (n-gram drafts: per match length)
             drafter = drafters.AutoDrafter({spec.method: drafter}, spec.min_draft_tokens, spec.num_draft_tokens,
                                            allow_no_spec=False)
         return drafter
 
+    def _engine_for(self, tokens: int) -> Engine:
+        """The one engine behind generate and stream: built on first use, rebuilt (with twice the KV slots) only when
+        a request needs more than it holds. Its chunk holds the whole context, so a prompt is read in one forward,
+        and it runs one request at a time: streams pulled in turn queue behind each other (each pull advances
+        whichever runs), so no output depends on another. A request too big for it while others are in it gets an
+        engine of its own."""
+        blocks = -(-tokens // BLOCK_SIZE)
+        if self._engine is not None and self._engine.blocks.num_blocks >= blocks:
+            return self._engine
+        old = 0 if self._engine is None else self._engine.blocks.num_blocks
+        chunk = -(-self.target.config.max_position_embeddings // BLOCK_SIZE) * BLOCK_SIZE
+        make = lambda n: Engine(self.target.model, n, BLOCK_SIZE, max_num_seqs=1,  # noqa: E731
+                                max_num_batched_tokens=chunk, chunk_size=chunk, logit_mask=self.logit_mask,
+                                eos_token_ids=self.eos_token_ids, prefix_reuse=False)
+        if self._engine is not None and self._engine.requests:
+            return make(blocks)
+        self._engine = None  # free the old cache first
+        self._engine = make(max(blocks, 2 * old))
+        return self._engine
+
     def _run(self, prompt, params: SamplingParams | None, spec: SpecConfig, chat: bool, system: str | None):
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ConfigError("params must be a verispec.SamplingParams")
-        drafter = self.make_drafter(spec)
+        drafters.check_method(spec.method)
         prompt_ids = self.codec.encode(prompt, chat=chat, system=system)
-        context = self.target.config.max_position_embeddings
-        P = len(prompt_ids)
-        if P >= context:
-            raise VerispecError(f"prompt is {P} tokens; the model's context is {context}")
-        if P + params.max_new_tokens > context:
-            raise VerispecError(f"prompt ({P} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds the "
-                                f"model's context of {context} tokens: lower max_new_tokens")
-        # One request in the engine that serves batches (engine/engine.py): a KV cache with room for the prompt,
-        # every new token and one round of drafts, the prompt read in one forward, K drafts a step (the drafter may
-        # stop early), as in a batch.
-        K = spec.num_draft_tokens if drafter else 0
-        chunk = -(-P // BLOCK_SIZE) * BLOCK_SIZE
-        engine = Engine(self.target.model, -(-(P + params.max_new_tokens + K + 1) // BLOCK_SIZE), BLOCK_SIZE,
-                        max_num_seqs=1, max_num_batched_tokens=max(chunk, K + 1), chunk_size=chunk,
-                        logit_mask=self.logit_mask, eos_token_ids=self.eos_token_ids, prefix_reuse=False)
-        req = engine.add(prompt_ids, params, drafter, K, fixed_k=True)
+        fit_context(len(prompt_ids), params.max_new_tokens, self.target.config.max_position_embeddings)
+        # One request in the engine that serves batches (engine/engine.py): the prompt read in one forward, K drafts
+        # a step (the drafter may stop early), as in a batch; the drafter is made for the K the engine sets.
+        K = spec.num_draft_tokens if spec.method != AR else 0
+        engine = self._engine_for(len(prompt_ids) + params.max_new_tokens + K + 1)
+        req = engine.add(prompt_ids, params, lambda k: self.make_drafter(spec.with_k(k)), K, fixed_k=True)
         stopper = StopChecker(params, self.eos_token_ids, self.codec)
         t0 = time.perf_counter()
         # Python's cycle collector would walk every live object (models, tokenizer) ~once per step here: off
-        # while decoding (~1.5% of a draft step in a profile); tensors are still freed by reference counting.
+        # while decoding (measured: docs/BENCHMARKS.md, "Draft step cost"); tensors are still freed by
+        # reference counting.
         gc_was_on = gc.isenabled()
         gc.disable()
         try:
-            while not (req.finished or stopper.finished):
-                if engine.step():
-                    stopper.append(req.new_tokens)
+            consumed = 0
+            while not stopper.finished:
+                new = req.output_ids[consumed:]  # what the last steps committed for it (any stream's pull)
+                if new:
+                    consumed += len(new)
+                    stopper.append(new)
                     req.stats.wall_s = time.perf_counter() - t0
                     yield stopper
+                elif req.finished:
+                    break
+                else:
+                    engine.step()  # advances whichever request runs: this one, or a stream pulled before it
         finally:
             engine.abort(req.request_id)
             if gc_was_on:

@@ -190,8 +190,8 @@ def test_bench_llamacpp_peer(tiny_dirs, tmp_path, prompt_file, capsys, monkeypat
     class FakePeer:
         modes = ["llamacpp", "llamacpp-lookup"]
 
-        def __init__(self, source, threads, context):
-            assert source == t and threads >= 1 and context >= 512
+        def __init__(self, source, threads, context, timeout=None):
+            assert source == t and threads >= 1 and context >= 512 and timeout == 600
 
         def generate(self, ids, n, mode="llamacpp", params=None):
             return [0] * n, 0.5 if mode == "llamacpp" else 0.25
@@ -204,3 +204,59 @@ def test_bench_llamacpp_peer(tiny_dirs, tmp_path, prompt_file, capsys, monkeypat
     assert report["peers"]["llamacpp-lookup"]["counterpart"] == "ngram:K=2"
     assert "hf_ms_per_token" not in report["runs"][0]
     assert "| llamacpp | overall |" in capsys.readouterr().out
+
+
+def test_a_peer_failing_on_a_prompt_is_recorded_and_the_run_goes_on(tiny_dirs, tmp_path, prompt_file, capsys,
+                                                                    monkeypatch):
+    """A peer that fails on purpose: its plain mode with an exception on one prompt, its lookup mode past its timeout
+    on all but one (every writing prompt). Each failure is in the JSON (for that prompt and mode, with its message),
+    the table and the plot; the other prompts are measured."""
+    from verispec.bench import peer_llamacpp
+
+    pytest.importorskip("matplotlib")
+
+    def text(ids):
+        return bytes(i for i in ids if i < 256)
+
+    class FailingPeer:
+        modes = ["llamacpp", "llamacpp-lookup"]
+
+        def __init__(self, source, threads, context, timeout=None):
+            self.timeout = timeout
+
+        def generate(self, ids, n, mode="llamacpp", params=None):
+            if b"Once upon" in text(ids) and mode == "llamacpp" and n > 4:
+                raise ValueError("could not broadcast input array from shape (77791232,) into shape (0,)\ndetails")
+            if mode == "llamacpp-lookup" and (b"range" in text(ids) or n > 4 and b"def" not in text(ids)):
+                raise TimeoutError(f"{mode}: 3 of {n} tokens in {self.timeout:g} s")
+            return [0] * n, 0.5 if mode == "llamacpp" else 0.25
+
+    monkeypatch.setattr(peer_llamacpp, "LlamaCppPeer", FailingPeer)
+    order = tmp_path / "order.jsonl"  # the prompt the lookup mode fails on first: its warm-up fails too
+    order.write_text("".join(line for line in open(prompt_file) if "range" in line)
+                     + "".join(line for line in open(prompt_file) if "range" not in line))
+    plot = tmp_path / "bench.png"
+    rc, report = bench(tmp_path, "--target", str(tiny_dirs["qwen2"]), "--prompts", str(order), "--max-new-tokens",
+                       "6", "--methods", "ar,ngram", "--num-draft-tokens", "2", "--peers", "llamacpp",
+                       "--peer-timeout", "30", "--plot", str(plot))
+    assert rc == 0 and report["complete"] is True
+    failed = {(r["peer"], r["prompt_id"]): r["error"] for r in report["peer_runs"] if "error" in r}
+    assert failed == {("llamacpp", "w1"): "ValueError: could not broadcast input array from shape (77791232,) into "
+                                          "shape (0,)",
+                      **{("llamacpp-lookup", p): "TimeoutError: llamacpp-lookup: 3 of 6 tokens in 30 s"
+                         for p in ("c2", "w1", "w2")}}
+    assert len(report["peer_runs"]) == 8 and sum("wall_s" in r for r in report["peer_runs"]) == 4
+    plain, lookup = report["peers"]["llamacpp"], report["peers"]["llamacpp-lookup"]
+    assert (plain["prompts"], plain["failed"], lookup["prompts"], lookup["failed"]) == (3, 1, 1, 3)
+    assert plain["failures"] == [{"prompt_id": "w1", "category": "writing", "error": failed["llamacpp", "w1"]}]
+    assert lookup["speedup"] == 2.0  # on the prompts both modes ran
+    assert plain["by_category"]["writing"]["failed"] == 1 and plain["by_category"]["coding"]["failed"] == 0
+    assert lookup["by_category"]["writing"] == {**lookup["by_category"]["writing"], "prompts": 0, "failed": 2,
+                                                "speedup": None, "tokens_per_s": None}
+    out, err = capsys.readouterr()
+    assert any(line.startswith("| writing | 2 |") and line.endswith("| failed |") for line in out.splitlines())
+    assert "- llamacpp on w1 (writing): ValueError: could not broadcast" in out
+    assert "- llamacpp-lookup on c2 (coding): TimeoutError" in out
+    assert "peer llamacpp-lookup failed its warm-up" in err and "peer llamacpp failed on w1" in err
+    assert plot.stat().st_size > 0
+

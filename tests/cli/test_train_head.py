@@ -102,7 +102,7 @@ def test_training_raises_heldout_acceptance(target, corpus, features, tmp_path, 
     assert last["heldout_tau"] > untrained["heldout_tau"] + 0.5
     # the written head is the trained one, loads back for this target, and its config records the run
     from verispec.models.config import ModelConfig
-    from verispec.models.eagle import read_head
+    from verispec.heads import read_head
 
     cfg = json.loads((tmp_path / "long" / "config.json").read_text())
     assert cfg["verispec_training"]["step"] == 300
@@ -147,22 +147,22 @@ def test_resume_from_shorter_run_equals_one_run(target, corpus, features, tmp_pa
 def test_resume_after_interruption_equals_one_run(target, corpus, features, tmp_path, monkeypatch, capsys):
     """A run of 80 steps (past the warm-up, into the cosine decay) stopped after its checkpoint at step 60 and
     resumed with the same arguments ends exactly where the uninterrupted run does."""
-    from verispec.training import train
+    from verispec.training import trainer
 
     extra = ("--ckpt-every", "30", "--eval-every", "40")
     assert main(args(target, corpus, tmp_path / "whole", features, 80, *extra)) == 0
 
-    save = train.Trainer.save
+    save = trainer.Trainer.save
 
     def save_then_stop(self):
         save(self)
         if self.step == 60:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(train.Trainer, "save", save_then_stop)
+    monkeypatch.setattr(trainer.Trainer, "save", save_then_stop)
     assert main(args(target, corpus, tmp_path / "cut", features, 80, *extra)) == 130
     assert checkpoint(tmp_path / "cut")["step"] == 60
-    monkeypatch.setattr(train.Trainer, "save", save)
+    monkeypatch.setattr(trainer.Trainer, "save", save)
     capsys.readouterr()
     assert main(args(target, corpus, tmp_path / "cut", features, 80, *extra, "--resume")) == 0
     assert "steps 60..80" in capsys.readouterr().err
@@ -209,6 +209,12 @@ def test_error_unwritable_out(target, corpus, tmp_path, capsys):
 def test_error_resume_without_checkpoint(target, corpus, tmp_path, capsys):
     line = one_error_line(args(target, corpus, tmp_path / "fresh", None, 40, "--resume"), capsys)
     assert "--resume" in line and "checkpoint" in line, line
+
+
+def test_error_unknown_arch(target, corpus, tmp_path, capsys):
+    """--arch takes the families with a training recipe (training/recipes/)."""
+    line = one_error_line(args(target, corpus, tmp_path / "out", None, 1, "--arch", "medusa-9"), capsys)
+    assert "--arch" in line and "eagle3" in line, line
 
 
 @pytest.mark.parametrize("layers,expect", [("x", "layer numbers"), ("1,x", "layer numbers"), (",", "at least one"),

@@ -152,7 +152,7 @@ def test_negative_control_wrong_sampler_fails(llm, ref_logits, monkeypatch, name
     """The same test, run on a deliberately wrong sampler inside the real decoding path, must reject it."""
     params = SamplingParams(**CASES[name])
     joint = exact_joint(ref_logits, params)
-    monkeypatch.setattr(verispec.sampling, "logits_to_probs", wrong)
+    monkeypatch.setattr(verispec.sampling.processors, "logits_to_probs", wrong)  # what every chain calls
     counts = draw(llm, params, N_NEG)
     p = chi2_pvalue(counts, joint)
     assert p < ALPHA, f"negative control {name}/{wrong.__name__} not detected: p = {p:.3g}"

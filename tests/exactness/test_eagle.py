@@ -1,4 +1,4 @@
-"""The EAGLE-3 head drafter (drafters/eagle.py) keeps the output exactly the target's.
+"""The EAGLE-3 head drafter (drafters/head.py) keeps the output exactly the target's.
 
 Greedy: method="eagle" gives token for token the AR output with native GGUF targets (bf16: verify chunks run
 the fused C++ layer; fp32) and a dequantized one, for a random head and a trained one, K = 1, 2, 4, 8. The hidden
@@ -32,7 +32,7 @@ from gguf_tiny import write_gguf
 from tiny import make_hf_model
 
 from verispec import LLM, SamplingParams, kernels
-from verispec.models.eagle import EagleHead, HeadConfig
+from verispec.heads import Eagle3Config, Eagle3Head
 from verispec.models.kv_cache import KVCache
 
 model_dirs, tables = base.model_dirs, base.tables
@@ -48,19 +48,15 @@ TRAIN_KEY = ("native", "bfloat16") if kernels.available() else ("dequantized", "
 
 
 def trained_head(path: Path, llm: LLM, steps: int = 150, prompts: list = ()) -> Path:
-    """A head trained (training/train.py) on the target's own greedy and sampled continuations of random
+    """A head trained (training/trainer.py, recipes/eagle3.py) on the target's own greedy and sampled continuations of random
     prompts, and (four times each: self-distillation of what the tests ask) its greedy continuations of
     ``prompts``."""
     from verispec.training.extract import features_of
-    from verispec.training.train import (
-        TrainConfig,
-        Trainer,
-        draft_vocabulary,
-        init_head,
-    )
+    from verispec.training.recipes import RECIPES
+    from verispec.training.trainer import TrainConfig, Trainer, draft_vocabulary
 
     model, cfg = llm.target.model, llm.target.config
-    hc = HeadConfig.for_target(cfg, None, cfg.vocab_size)
+    hc = Eagle3Config.for_target(cfg, None, cfg.vocab_size)
     seqs = []
     for seed in range(24):
         prompt = [int(t) for t in torch.randint(0, cfg.vocab_size, (4,), generator=torch.Generator().manual_seed(seed))]
@@ -72,9 +68,9 @@ def trained_head(path: Path, llm: LLM, steps: int = 150, prompts: list = ()) -> 
     data = {k: torch.stack([s[k] for s in seqs]) for k in seqs[0]}
     train = {k: v[:-4] for k, v in data.items()}
     held = {k: v[-4:] for k, v in data.items()}
-    head = EagleHead(hc)
+    head = Eagle3Head(hc)
     head.d2t = draft_vocabulary(train["topk_ids"][..., 0], hc.draft_vocab_size, cfg.vocab_size, ())
-    init_head(head, model, "random", 0)
+    RECIPES["eagle3"].init(head, model, "random", 0)
     head.attach_embedding(model.embed_tokens)
     path.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(head, TrainConfig(steps=steps, lr=3e-3, eval_every=steps, ckpt_every=steps, warmup=10),
@@ -170,15 +166,15 @@ def test_features_handed_to_the_drafter_are_the_committed_positions(llms, monkey
     feeding the committed context one token at a time (prefill and verify chunks are row-exact on this path)."""
     llm = llms["native", "bfloat16", "random"] if ("native", "bfloat16", "random") in llms else next(iter(llms.values()))
     seen = []
-    from verispec.drafters.eagle import EagleDrafter
+    from verispec.drafters.head import HeadDrafter
 
-    real = EagleDrafter.propose
+    real = HeadDrafter.propose
 
     def spy(self, request):
         seen.append((list(request.context), request.features[:len(request.context) - 1].clone()))
         return real(self, request)
 
-    monkeypatch.setattr(EagleDrafter, "propose", spy)
+    monkeypatch.setattr(HeadDrafter, "propose", spy)
     llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="eagle", num_draft_tokens=3)
     model, layers = llm.target.model, llm.eagle_head().config.layers
     context, feats = seen[-1]

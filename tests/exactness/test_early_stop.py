@@ -17,7 +17,7 @@ import pytest
 from exact_helpers import varied_stop
 from tiny import make_hf_dir
 from verispec import LLM, SamplingParams
-from verispec.adaptive import Calibration
+from verispec.spec.policy import Calibration
 from verispec.drafters.draft_model import DraftModelDrafter
 
 KS = [2, 4, 8]

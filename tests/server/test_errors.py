@@ -39,6 +39,10 @@ CASES = [  # (id, path, body: dict or raw bytes, headers, status, param)
     ("temperature-too-high", "completions", {**OK, "temperature": 5}, AUTH, 400, "temperature"),
     ("top-p-zero", "completions", {**OK, "top_p": 0}, AUTH, 400, "top_p"),
     ("empty-stop", "completions", {**OK, "stop": [""]}, AUTH, 400, None),
+    ("five-stops", "completions", {**OK, "stop": list("abcde")}, AUTH, 400, "stop"),  # OpenAI's limit: 4
+    ("5000-stops", "chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(5000)]}, AUTH, 400, "stop"),
+    ("long-stop", "completions", {**OK, "stop": "x" * 257}, AUTH, 400, "stop"),
+    ("stop-not-a-string", "completions", {**OK, "stop": [1]}, AUTH, 400, "stop"),
     ("empty-messages", "chat/completions", {**CHAT, "messages": []}, AUTH, 400, "messages"),
     ("ends-with-assistant", "chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": "hi"}]},
      AUTH, 400, None),
@@ -189,3 +193,43 @@ def test_an_engine_failure_is_a_500_and_the_server_goes_on(llm):
         assert failed.json()["error"]["type"] == "server_error"
         assert post(url, "completions", OK, {}).status_code == 200
         wait_until_idle(url, app.state.runner)
+
+
+def test_a_request_that_fails_fails_alone(llm, monkeypatch):
+    """A request whose text cannot be made (a bug in its detokenising, here one made on purpose) is a 500 in the error
+    shape, streamed or not; the request running beside it in the same steps gets its whole answer."""
+    from verispec.server import runner as runner_module
+
+    app = create_app(llm, MODEL, method="ar", max_num_seqs=4, kv_cache_tokens=1024)
+    runner = app.state.runner
+    step, feed = runner.engine.step, runner_module.feed
+    runner.engine.step = lambda: (time.sleep(0.01), step())[1]  # the neighbour is still running when it fails
+
+    def failing_feed(stopper, tokens, num_draft=0):
+        if "boom" in stopper.params.stop:
+            raise ValueError("broken on purpose")
+        return feed(stopper, tokens, num_draft)
+
+    monkeypatch.setattr(runner_module, "feed", failing_feed)
+    neighbour = {**OK, "max_tokens": 24, "ignore_eos": True}
+    with live(app) as url:
+        alone = post(url, "completions", neighbour, {}).json()["choices"][0]["text"]
+        for stream in (False, True):
+            result = {}
+            thread = threading.Thread(target=lambda: result.update(r=post(url, "completions", neighbour, {})))
+            thread.start()
+            while not runner.in_flight:
+                time.sleep(0.002)
+            failed = post(url, "completions", {**OK, "stop": ["boom"], "stream": stream}, {})
+            thread.join()
+            if stream:  # the 200 was sent before the failure: the stream ends with an error event
+                assert failed.status_code == 200
+                events = [json.loads(line[6:]) for line in failed.text.splitlines()
+                          if line.startswith("data: {")]
+                error = events[-1]["error"]
+            else:
+                assert_error(failed, 500)
+                error = failed.json()["error"]
+            assert error["type"] == "server_error" and "broken on purpose" in error["message"]
+            assert result["r"].status_code == 200 and result["r"].json()["choices"][0]["text"] == alone
+        wait_until_idle(url, runner)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import MODEL
 from verispec import SamplingParams
-from verispec.server.runner import Piece, detokenize
+from verispec.frontend import Piece, feed as detokenize
 from verispec.stopping import StopChecker
 
 ASK = dict(model=MODEL, prompt="abc abc abc abc abc abc", max_tokens=48, temperature=0)

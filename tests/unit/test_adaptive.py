@@ -2,8 +2,8 @@
 
 import pytest
 
-from verispec.adaptive import Calibration, DraftLengthController, verify_seconds, worth_another_draft
-from verispec.costmodel import expected_tokens_per_round
+from verispec.spec.costs import expected_tokens as expected_tokens_per_round, interpolate as verify_seconds
+from verispec.spec.policy import Calibration, DraftLengthController, worth_another_draft
 
 
 def trained(rates, t_draft, t_verify, k_max=8, k_min=1, rounds=200):

@@ -11,11 +11,12 @@ import torch
 
 import verispec.drafters.auto
 from verispec.config import SamplingParams
-from verispec.drafters.auto import NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, SPEC_MARGIN, AutoDrafter
-from verispec.drafters.base import Draft, DraftRequest
+from verispec.drafters.auto import AutoDrafter
+from verispec.spec.policy import NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, SPEC_MARGIN
+from verispec.drafters.base import Draft, Drafter, DraftRequest
 
 
-class Lookup:
+class Lookup(Drafter):
     """A cheap drafter that proposes ``tokens`` with a match of length ``match``."""
 
     cheap = True
@@ -30,7 +31,7 @@ class Lookup:
         self.updates.append(n)
 
 
-class Model:
+class Model(Drafter):
     """An expensive drafter whose cache lacks ``behind`` tokens of the context."""
 
     def __init__(self):

@@ -1,8 +1,10 @@
-"""K per request in a batched step (engine/speculation.py) against scripted costs and acceptance."""
+"""K per request in a batched step (spec/policy.py) against scripted costs and acceptance."""
 
 from __future__ import annotations
 
-from verispec.engine.speculation import SpecPolicy
+import pytest
+
+from verispec.spec.policy import SpecPolicy
 
 
 def policy(step_s: float, row_s: float, acceptance: dict[int, float], t_draft: float = 0.0) -> SpecPolicy:
@@ -124,3 +126,28 @@ def test_a_new_request_starts_from_the_draft_cost_others_measured():
         p.observe(0, 2, 1, 0.032)  # 16 ms a drafted token
     p.forget(0)
     assert p.choose({1: 4}, base_rows=1, catch_up={1: (0.5, 0.015)})[1] == 0
+
+
+def test_a_controller_is_sized_by_the_request_bound_not_the_first_budget_cut_k():
+    """A request admitted with K = 8 whose first step was cut to 2 by the budget later drafts 8: its estimates must
+    hold 8 positions (an IndexError in a server whose batch shrank, before)."""
+    p = SpecPolicy()
+    p.admit(7, 8)
+    ctl = p.controller(7, 2)
+    assert ctl.k_max == 8
+    ctl.observe(8, 8, 0.01, 0.0)
+    p.forget(7)
+    assert 7 not in p.bounds and 7 not in p.controllers
+
+
+def test_a_long_catch_up_is_learned_per_token_and_spread_over_the_steps_left():
+    p = SpecPolicy()
+    assert p.catch_up(100, 64) == (0.0, 0.0)  # nothing measured yet
+    p.observe_forward(1, 0.05)
+    p.observe_catch_up(8, 1.0)  # short: not learned per token
+    assert p.t_catch_up is None
+    p.observe_catch_up(200, 0.4)
+    assert p.t_catch_up == pytest.approx(0.002)
+    seconds, share = p.catch_up(100, 64)
+    assert seconds == pytest.approx(0.2) and share == pytest.approx(0.2 / 32)
+    assert p.catch_up(3, 64) == pytest.approx((0.006, 0.006))  # a short one is this step's cost in full

@@ -1,4 +1,5 @@
-"""Imports run one way: cli -> server -> llm -> decoding / drafters / engine -> models -> kernels, with no circles.
+"""Imports run one way: cli / training -> server -> llm -> drafters / engine -> heads -> models -> kernels, with no
+circles.
 
 The graph is read from the source (every ``import``, lazy ones inside functions included), so a circle
 that Python tolerates at run time because one side imports late still fails here.
@@ -19,6 +20,7 @@ LAYERS = [
     ("verispec.server",),
     ("verispec.llm",),
     ("verispec.drafters", "verispec.engine"),
+    ("verispec.heads",),
     ("verispec.models",),
     ("verispec.kernels",),
 ]

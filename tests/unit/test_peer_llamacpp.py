@@ -13,12 +13,16 @@ from verispec.errors import VerispecError
 
 
 class FakeLlama:
+    """llama-cpp-python's Llama as far as the peer uses it, with its context and logits buffer: with a draft model it
+    keeps every position's logits in ``scores``, sized n_ctx rows with logits_all=True and n_batch (512) without."""
+
     made = []
 
-    def __init__(self, path, draft_model=None, **kw):
-        self.path, self.draft_model, self.kw = path, draft_model, kw
+    def __init__(self, path, draft_model=None, n_ctx=512, logits_all=False, **kw):
+        self.path, self.draft_model, self.kw = path, draft_model, {"n_ctx": n_ctx, "logits_all": logits_all, **kw}
         self.params = sys.modules["llama_cpp.llama_cpp"].llama_model_default_params()  # as Llama() takes them
         self.calls, self.resets, self.seed, self.n_tokens = [], 0, None, 0
+        self.n_ctx, self.score_rows = n_ctx, n_ctx if logits_all else min(512, n_ctx)
         FakeLlama.made.append(self)
 
     def reset(self):
@@ -28,14 +32,22 @@ class FakeLlama:
     def set_seed(self, seed):
         self.seed = seed
 
+    def eval(self, n: int):
+        if self.n_tokens + n > self.n_ctx:
+            raise RuntimeError("llama_decode returned 1")  # no KV slot left
+        if self.draft_model is not None and self.n_tokens + n > self.score_rows:  # Llama.eval saving logits
+            raise ValueError(f"could not broadcast input array from shape ({n * 151936},) into shape (0,)")
+        self.n_tokens += n
+
     def generate(self, tokens, **kw):
         assert self.n_tokens == 0, "a prompt cache from an earlier run would skip the prefill"
         self.calls.append((list(tokens), kw))
-        self.n_tokens = len(tokens)
+        self.eval(len(tokens))
         i = 0
         while True:  # never stops by itself, like llama-cpp-python's generate
             yield 100 + i
             i += 1
+            self.eval(1)
 
 
 class FakeLookup:
@@ -79,6 +91,25 @@ def test_generates_exactly_n_tokens_with_a_fresh_prefill_each_run(fake_llama_cpp
     assert ids == [1, 2, 3]
     # greedy, and none of llama.cpp's default samplers (min_p 0.05, top_k 40, temp 0.8) in the way
     assert kw["temp"] == 0.0 and kw["min_p"] == 0.0 and kw["repeat_penalty"] == 1.0 and kw["typical_p"] == 1.0
+
+
+def test_a_long_prompt_fits_the_context_bench_opens(fake_llama_cpp, gguf):
+    """Spec-Bench's long summarization prompts: past 512 tokens the lookup mode failed with "could not broadcast ...
+    into shape (0,)" (its logits kept in a 512-row buffer); the context holds the prompt and every new token."""
+    prompt, n = [1] * 3000, 128
+    peer = peer_llamacpp.LlamaCppPeer(gguf, threads=1, context=peer_llamacpp.context_for(len(prompt), n))
+    assert peer.context >= len(prompt) + n + peer_llamacpp.LOOKUP_DRAFT_TOKENS
+    for mode in peer.modes:
+        tokens, _ = peer.generate(prompt, n, mode)
+        assert len(tokens) == n
+    assert FakeLlama.made[1].kw["logits_all"] is True
+    assert peer_llamacpp.context_for(10, 64) == 512
+
+
+def test_a_run_past_its_timeout_is_a_timeout_error(fake_llama_cpp, gguf):
+    peer = peer_llamacpp.LlamaCppPeer(gguf, threads=1, timeout=1e-9)
+    with pytest.raises(TimeoutError, match=r"llamacpp-lookup: 1 of 5 tokens in 1e-09 s"):
+        peer.generate([1, 2], 5, "llamacpp-lookup")
 
 
 @pytest.mark.parametrize("amx", [False, True])

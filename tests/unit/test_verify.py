@@ -16,10 +16,11 @@ import torch.nn.functional as F
 
 from exact_helpers import ALPHA, chi2_pvalue, variant_verify
 from verispec import SamplingParams
-from verispec.verify import PLACEHOLDER_TOKEN_ID, verify
+from verispec.sampling import ProcessorChain
+from verispec.spec.verify import PLACEHOLDER_TOKEN_ID, verify
 
-GREEDY = SamplingParams(temperature=0.0)
-T1 = SamplingParams(temperature=1.0)
+GREEDY = ProcessorChain.from_params(SamplingParams(temperature=0.0))
+T1 = ProcessorChain.from_params(SamplingParams(temperature=1.0))
 
 
 def logits_with_argmax(argmaxes: list[int], V: int = 10, seed: int = 0) -> torch.Tensor:

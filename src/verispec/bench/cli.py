@@ -54,6 +54,9 @@ def add_bench_parser(sub) -> None:
                    help="comma-separated peers run on the same prompts: hf = transformers generate() (plain, "
                         "assistant_model=, prompt_lookup_num_tokens=), llamacpp = llama.cpp on the same GGUF file "
                         "(plain, prompt lookup; needs llama-cpp-python); none (default: hf)")
+    b.add_argument("--peer-timeout", type=float, default=600.0,
+                   help="seconds one peer run may take; past it, or when a peer fails on a prompt, the failure is "
+                        "recorded for that prompt and peer and the run goes on (default: 600)")
     chat = b.add_mutually_exclusive_group()
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="apply the tokenizer's chat template (default: on when the tokenizer has one)")
@@ -134,7 +137,7 @@ def _spec_runs(args, llm) -> list[tuple]:
             if fmt != formats[0] and not uses_draft:
                 continue  # the draft format changes nothing for this method: one run is enough
             tag = f"{name}@{fmt}" if len(formats) > 1 and uses_draft else name
-            adapts = getattr(drafter, "adaptive", False)
+            adapts = drafter.adaptive
             labelled = [(f"{tag}:K={k}", SpecConfig(name, k, **opts)) for k in ks] if not adapts else []
             if adapts or args.adaptive:
                 labelled.append((f"{tag}:K<={max(ks)}", SpecConfig(name, max(ks), adaptive=True, **opts)))
@@ -146,7 +149,7 @@ def _spec_runs(args, llm) -> list[tuple]:
 
 def _drafters(drafter) -> tuple:
     """The drafter and the ones it delegates to (auto)."""
-    return (drafter, *getattr(drafter, "drafters", {}).values())
+    return (drafter, *drafter.delegates().values())
 
 
 def _uses_draft_model(drafter) -> bool:
@@ -157,7 +160,7 @@ def _uses_draft_model(drafter) -> bool:
 
 def _stops_early(drafter) -> bool:
     """Whether the drafter, or one it delegates to (auto), ends rounds early (DraftModelDrafter.early_stop)."""
-    return any(getattr(d, "early_stop", False) for d in _drafters(drafter))
+    return any(d.early_stop for d in _drafters(drafter))
 
 
 def _native(model) -> list:
@@ -171,16 +174,18 @@ def run_bench(args) -> int:
 
     from .. import LLM, SamplingParams
     from ..flags import engine_options
+    from . import peer_llamacpp
     from .hardware import environment, read_bandwidth_gbs
-    from .peer_llamacpp import LlamaCppPeer
     from .peers import HFPeer
     from .report import markdown, summarize
     from ..models.kv_cache import common_prefix
-    from .runner import run_prompt, verify_cost_curve
+    from .runner import peer_error, run_prompt, verify_cost_curve
 
     n_new = 32 if args.quick else args.max_new_tokens
     if n_new < 2:
         raise VerispecError("--max-new-tokens must be >= 2 for a decode benchmark")
+    if not args.peer_timeout > 0:
+        raise VerispecError(f"--peer-timeout must be > 0 seconds, got {args.peer_timeout}")
     _int_list(args.num_draft_tokens, "--num-draft-tokens")  # bad values: an error before anything loads
     params = SamplingParams(max_new_tokens=n_new, ignore_eos=True, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
@@ -209,10 +214,11 @@ def run_bench(args) -> int:
     peers = []
     if "hf" in args.peers:
         draft_src = llm.draft.source if llm.draft is not None else None
-        peers.append(HFPeer(args.target, llm.dtype, llm.device, masked, draft=draft_src))
+        peers.append(HFPeer(args.target, llm.dtype, llm.device, masked, draft=draft_src, timeout=args.peer_timeout))
     if "llamacpp" in args.peers:
-        context = max(len(ids) for ids in encoded) + n_new + 8  # room for the longest prompt: never cut short
-        peers.append(LlamaCppPeer(args.target, torch.get_num_threads(), context=max(context, 512)))
+        context = peer_llamacpp.context_for(max(len(ids) for ids in encoded), n_new)  # the longest prompt + new tokens
+        peers.append(peer_llamacpp.LlamaCppPeer(args.target, torch.get_num_threads(), context=context,
+                                                timeout=args.peer_timeout))
 
     bandwidths = [read_bandwidth_gbs(device=llm.device)]  # measured again at the end: the best is the floor
     curve = verify_cost_curve(llm)
@@ -222,7 +228,10 @@ def run_bench(args) -> int:
         owner.generate(encoded[0], warm, **dataclasses.asdict(spec))
     for peer in peers:
         for mode in peer.modes:
-            peer.generate(encoded[0], 4, mode)
+            try:
+                peer.generate(encoded[0], 4, mode)
+            except Exception as e:  # its runs record their own failures
+                print(f"verispec: peer {mode} failed its warm-up: {peer_error(e)}", file=sys.stderr)
 
     report = {
         "command": "verispec " + " ".join(sys.argv[1:]) if Path(sys.argv[0]).name == "verispec" else None,

@@ -9,6 +9,11 @@ On a CPU with AMX-INT8, llama.cpp repacks Q4_K / Q6_K weights for its AMX kernel
 and on a 2-core Xeon VM here its first matrix product then segfaulted, killing the whole bench
 (ggml-org/llama.cpp#20824, open upstream). There the peer loads the file without extra buffer types (its
 AVX512 kernels) and says so on stderr.
+
+With a draft model (the lookup mode) llama-cpp-python keeps logits for every position it evaluates, but sizes that
+buffer (``Llama.scores``) by ``logits_all`` alone, to ``n_batch`` (512) rows: a prompt past 512 tokens then failed in
+``Llama.eval`` with "could not broadcast input array from shape (77791232,) into shape (0,)" (512 rows x Qwen's
+151,936 logits into none). The lookup context is made with ``logits_all=True``, which sizes it to the context.
 """
 
 from __future__ import annotations
@@ -21,7 +26,15 @@ from pathlib import Path
 from ..config import SamplingParams
 from ..errors import VerispecError
 
-CONTEXT = 4096  # tokens of KV cache by default (verispec bench sizes it to its longest prompt)
+CONTEXT = 4096  # tokens of KV cache by default (verispec bench sizes it with context_for)
+LOOKUP_DRAFT_TOKENS = 10  # LlamaPromptLookupDecoding's default num_pred_tokens
+
+
+def context_for(prompt_tokens: int, max_new_tokens: int) -> int:
+    """A context that holds a prompt of ``prompt_tokens``, ``max_new_tokens`` and one round of lookup drafts past
+    them, in whole 256-token pages (at least 512)."""
+    need = prompt_tokens + max_new_tokens + LOOKUP_DRAFT_TOKENS + 1
+    return max(512, -(-need // 256) * 256)
 
 
 def gguf_file(source: str) -> Path:
@@ -68,7 +81,7 @@ def without_extra_buffers():
 class LlamaCppPeer:
     modes = ["llamacpp", "llamacpp-lookup"]
 
-    def __init__(self, source: str, threads: int, context: int = CONTEXT):
+    def __init__(self, source: str, threads: int, context: int = CONTEXT, timeout: float | None = None):
         try:
             import llama_cpp
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -83,14 +96,16 @@ class LlamaCppPeer:
         try:  # two contexts on one mmapped file: the lookup draft is fixed when a context is made
             with without_extra_buffers() if plain else contextlib.nullcontext():
                 self.models = {"llamacpp": llama_cpp.Llama(path, **kw),
-                               "llamacpp-lookup": llama_cpp.Llama(path, draft_model=LlamaPromptLookupDecoding(), **kw)}
+                               "llamacpp-lookup": llama_cpp.Llama(path, draft_model=LlamaPromptLookupDecoding(),
+                                                                  logits_all=True, **kw)}
         except Exception as e:  # llama-cpp-python raises ValueError / RuntimeError with its own wording
             raise VerispecError(f"llama.cpp cannot load {path}: {str(e).splitlines()[0][:200]}") from None
-        self.context = context
+        self.context, self.timeout = context, timeout
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "llamacpp",
                  params: SamplingParams | None = None) -> tuple[list[int], float]:
-        """Generate exactly max_new_tokens (EOS does not stop it); return (new token ids, wall seconds)."""
+        """Generate exactly max_new_tokens (EOS does not stop it); return (new token ids, wall seconds). A TimeoutError
+        once a run has taken ``timeout`` seconds (checked between tokens)."""
         params = params or SamplingParams()
         if len(prompt_ids) + max_new_tokens > self.context:
             raise VerispecError(f"llama.cpp peer: {len(prompt_ids)} + {max_new_tokens} tokens exceed its "
@@ -107,4 +122,6 @@ class LlamaCppPeer:
             out.append(int(token))
             if len(out) == max_new_tokens:
                 break
+            if self.timeout is not None and time.perf_counter() - t0 > self.timeout:
+                raise TimeoutError(f"{mode}: {len(out)} of {max_new_tokens} tokens in {self.timeout:g} s")
         return out, time.perf_counter() - t0

@@ -38,13 +38,13 @@ class HFPeer:
     """transformers ``generate()``: modes "hf" (plain), "hf-assistant" (needs ``draft``), "hf-lookup"."""
 
     def __init__(self, source: str, dtype: torch.dtype, device: str, suppress: list[int] | None = None,
-                 draft: str | None = None):
+                 draft: str | None = None, timeout: float | None = None):
         import transformers
 
         transformers.logging.set_verbosity_error()
         self.model = _load_hf(source, dtype, device)
         self.assistant = _load_hf(draft, dtype, device) if draft else None
-        self.device = device
+        self.device, self.timeout = device, timeout
         # No EOS: generate exactly max_new_tokens without masking any logit (min_new_tokens would).
         self.gen_config = copy.deepcopy(self.model.generation_config)
         self.gen_config.eos_token_id = []  # None falls back to the model config's EOS
@@ -70,7 +70,8 @@ class HFPeer:
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: str = "hf",
                  params: SamplingParams | None = None) -> tuple[list[int], float]:
-        """Generate exactly max_new_tokens; return (new token ids, wall seconds)."""
+        """Generate exactly max_new_tokens; return (new token ids, wall seconds). A TimeoutError once a run has taken
+        ``timeout`` seconds (generate's ``max_time``, checked between tokens)."""
         params = params or SamplingParams()
         kw = {"hf": {}, "hf-assistant": {"assistant_model": self.assistant},
               "hf-lookup": {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}}[mode]
@@ -79,7 +80,11 @@ class HFPeer:
         ids = torch.tensor([prompt_ids], device=self.device)
         t0 = time.perf_counter()
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=self._config(params),
-                                  max_new_tokens=max_new_tokens, **kw)
+                                  max_new_tokens=max_new_tokens, max_time=self.timeout, **kw)
         if ids.is_cuda:
             torch.cuda.synchronize()
-        return out[0, len(prompt_ids):].tolist(), time.perf_counter() - t0
+        tokens = out[0, len(prompt_ids):].tolist()
+        if len(tokens) < max_new_tokens:  # no EOS: only max_time stops it early
+            raise TimeoutError(f"{mode}: {len(tokens)} of {max_new_tokens} tokens"
+                               + (f" in {self.timeout:g} s" if self.timeout is not None else ""))
+        return tokens, time.perf_counter() - t0

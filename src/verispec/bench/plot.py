@@ -41,6 +41,9 @@ def _speedup_panel(ax, report: dict, methods: list[str], color: dict) -> None:
                 s = peers[name] if gname == "overall" else (peers[name].get("by_category") or {}).get(gname)
             else:
                 s = stats.get(name)
+            if s and not s.get("prompts") and s.get("failed"):  # a peer that failed on every prompt here
+                ax.text(g - 0.4 + width * (j + 0.5), 0.02, "failed", rotation=90, ha="center", va="bottom",
+                        fontsize=7, color="firebrick", transform=ax.get_xaxis_transform())
             if not s or s.get("speedup") is None:
                 continue
             y = s["speedup"]
@@ -49,13 +52,13 @@ def _speedup_panel(ax, report: dict, methods: list[str], color: dict) -> None:
             ys.append(y)
             err[0].append(max(y - lo, 0.0))
             err[1].append(max(hi - y, 0.0))
-        if not xs:
+        if not xs and not (is_peer and peers[name].get("failed")):
             continue
-        drawn = True
+        drawn = drawn or bool(xs)
         ax.bar(xs, ys, width, color=color[name], edgecolor="black", linewidth=0.5,
                hatch="//" if is_peer else None, yerr=err if not is_peer else None,
                error_kw={"elinewidth": 1 if len(series) <= 6 else 0.6, "capsize": 2 if len(series) <= 6 else 0},
-               label=f"{name} (peer)" if is_peer else name)
+               label=(f"{name} (peer{_failed(peers[name])})" if is_peer else name))
     if not drawn:
         _no_method(ax)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="AR = 1")
@@ -68,6 +71,12 @@ def _speedup_panel(ax, report: dict, methods: list[str], color: dict) -> None:
     if len(groups) > 1:
         ax.axvline(len(groups) - 1.5, color="gray", linestyle=":", linewidth=1)
     ax.legend(loc="upper center", ncol=min(len(series) + 1, 3), fontsize=8, frameon=False)
+
+
+def _failed(peer: dict) -> str:
+    """", failed on N prompts" for a peer mode that failed somewhere (its bars are the prompts it ran)."""
+    n = peer.get("failed") or 0
+    return f", failed on {n} prompt{'s' * (n != 1)}" if n else ""
 
 
 def _acceptance_panel(ax, overall: dict, methods: list[str], color: dict) -> None:

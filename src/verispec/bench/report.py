@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ..costmodel import predict_speedup
+from ..spec.costs import joint as joint_rates, predicted_speedup
 
 # transformers' mode -> our method doing the same thing (compared at its best K)
 PEER_COUNTERPART = {"hf": "ar", "hf-assistant": "draft", "hf-lookup": "ngram", "llamacpp": "ar", "llamacpp-lookup": "ngram"}
@@ -44,11 +44,8 @@ def _method_stats(rs: list[dict], ar_by_prompt: dict[str, dict], curve_ratio: di
     # c: draft cost per drafted token / target cost per AR token, same prompt
     costs = [(r["draft_s"] / r["drafted_tokens"]) / (ar_by_prompt[r["prompt_id"]]["decode_ms_per_token"] / 1e3)
              for r in rs if r["drafted_tokens"]]
-    joint, run = [], 1.0
-    for a, n in zip(accepted, reached):
-        run *= a / n if n else 0.0
-        joint.append(run)
     per_position = [a / n if n else None for a, n in zip(accepted, reached)]
+    joint = joint_rates(per_position)
     c = statistics.median(costs) if costs else 0.0  # no draft time at all: a free drafter
     return {**out, "speedup": statistics.median(speedups), "speedup_spread": _spread(speedups),
             "decode_speedup": statistics.median(decode_speedups),
@@ -59,7 +56,7 @@ def _method_stats(rs: list[dict], ar_by_prompt: dict[str, dict], curve_ratio: di
             "per_position_joint": joint,  # P(all of the first i+1 drafts accepted)
             "cost_ratio_c": c,  # the model assumes K drafts every round: no prediction when K varies
             "predicted_speedup": None if rs[0].get("adaptive") or rs[0].get("early_stop")
-            else predict_speedup(per_position, c, curve_ratio)}
+            else predicted_speedup(per_position, c, curve_ratio)}
 
 
 def summarize(runs: list[dict], peer_runs: list[dict], weight_bytes: int, bandwidths: list[float],
@@ -77,11 +74,12 @@ def summarize(runs: list[dict], peer_runs: list[dict], weight_bytes: int, bandwi
               # the target's prefill: its median share of an AR run's wall time, and ms per prompt token
               "prefill_share": statistics.median(r["prefill_s"] / r["wall_s"] for r in ar),
               "prefill_ms_per_prompt_token": statistics.median(1e3 * r["prefill_s"] / r["prompt_tokens"] for r in ar)}
-    if "hf_ms_per_token" in ar[0]:
-        hf_ms = [r["hf_ms_per_token"] for r in ar]
+    hf = [r for r in ar if "hf_ms_per_token" in r]  # the prompts where transformers' plain run did not fail
+    if hf:
+        hf_ms = [r["hf_ms_per_token"] for r in hf]
         decode.update(hf_ms_per_token=statistics.median(hf_ms), hf_spread_ms=_spread(hf_ms),
-                      speedup_vs_hf=statistics.median(hf_ms) / ours_ms,
-                      outputs_identical=sum(r["hf_identical_prefix_tokens"] == r["new_tokens"] for r in ar))
+                      speedup_vs_hf=statistics.median(hf_ms) / ours_ms, hf_prompts=len(hf),
+                      outputs_identical=sum(r["hf_identical_prefix_tokens"] == r["new_tokens"] for r in hf))
     ratio = decode["verify_cost_ratio"]
     labels = list(dict.fromkeys(r["label"] for r in runs))
     categories = list(dict.fromkeys(r["category"] for r in runs))
@@ -95,21 +93,25 @@ def summarize(runs: list[dict], peer_runs: list[dict], weight_bytes: int, bandwi
 def _peer_stats(runs: list[dict], peer_runs: list[dict], overall: dict, categories: list[str]) -> dict:
     """Each peer mode: tokens/s; its speedup over the same peer's plain generation (same prompt); ours/theirs =
     tokens/s of our counterpart method (its best K overall) / theirs, same prompt; best/theirs = the same for our
-    fastest method overall (AR included)."""
+    fastest method overall (AR included). A mode's failures (records with an ``error``) are listed, not measured:
+    ``failures`` [{prompt_id, category, error}], and ``failed`` counts them per category."""
     ours = {(r["label"], r["prompt_id"]): r for r in runs}
-    plain = {(r["peer"], r["prompt_id"]): r for r in peer_runs}
+    measured = [r for r in peer_runs if "error" not in r]
+    plain = {(r["peer"], r["prompt_id"]): r for r in measured}
     best = max(overall, key=lambda lb: overall[lb]["speedup"])  # AR's is 1.0
 
     def versus(rs: list[dict], mine: str | None) -> float | None:
         pairs = [(ours[mine, r["prompt_id"]], r) for r in rs if (mine, r["prompt_id"]) in ours]
         return statistics.median(o["tokens_per_s"] / t["tokens_per_s"] for o, t in pairs) if pairs else None
 
-    def stats(rs: list[dict], mine: str | None) -> dict:
-        out = {"prompts": len(rs), "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
-               "speedup": statistics.median(plain[peer_plain(r["peer"]), r["prompt_id"]]["wall_s"] / r["wall_s"]
-                                            for r in rs),
+    def stats(rs: list[dict], failed: list[dict], mine: str | None) -> dict:
+        speedups = [plain[peer_plain(r["peer"]), r["prompt_id"]]["wall_s"] / r["wall_s"] for r in rs
+                    if (peer_plain(r["peer"]), r["prompt_id"]) in plain]  # its plain run may have failed there
+        out = {"prompts": len(rs), "failed": len(failed),
+               "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs) if rs else None,
+               "speedup": statistics.median(speedups) if speedups else None,
                "counterpart": mine, "ours_vs_theirs": versus(rs, mine), "best": best, "best_vs_theirs": versus(rs, best)}
-        if rs[0]["identical_to_ar"] is not None:
+        if rs and rs[0]["identical_to_ar"] is not None:
             out["identical_to_ar"] = sum(r["identical_to_ar"] for r in rs)
         return out
 
@@ -118,10 +120,12 @@ def _peer_stats(runs: list[dict], peer_runs: list[dict], overall: dict, categori
         method = PEER_COUNTERPART.get(mode)
         candidates = [lb for lb in overall if overall[lb].get("prompts") and runs_method(runs, lb) == method]
         mine = max(candidates, key=lambda lb: overall[lb]["speedup"]) if candidates else None
-        rs = [r for r in peer_runs if r["peer"] == mode]
-        peers[mode] = {**stats(rs, mine), "by_category": {
-            c: stats([r for r in rs if r["category"] == c], mine) for c in categories
-            if any(r["category"] == c for r in rs)}}
+        rs = [r for r in measured if r["peer"] == mode]
+        failed = [{"prompt_id": r["prompt_id"], "category": r["category"], "error": r["error"]} for r in peer_runs
+                  if r["peer"] == mode and "error" in r]
+        peers[mode] = {**stats(rs, failed, mine), "failures": failed, "by_category": {
+            c: stats([r for r in rs if r["category"] == c], [f for f in failed if f["category"] == c], mine)
+            for c in categories if any(r["category"] == c for r in rs + failed)}}
     return peers
 
 
@@ -144,9 +148,16 @@ def _matrix(r: dict) -> list[str]:
         cells = [f"{table[lb]['speedup']:.2f}x ({table[lb]['tau']:.2f})" for lb in spec]
         for m in modes:
             stats = peers[m] if cat == "**overall**" else peers[m]["by_category"].get(cat)
-            cells.append(f"{stats['speedup']:.2f}x" if stats else "-")
+            cells.append(_peer_cell(stats))
         lines.append(f"| {cat} | {table['ar']['prompts']} | " + " | ".join(cells) + " |")
     return lines + [""]
+
+
+def _peer_cell(stats: dict | None) -> str:
+    """A peer mode's speedup in one category; "failed" where it failed on every prompt there."""
+    if stats and not stats["prompts"] and stats.get("failed"):
+        return "failed"
+    return _x(stats["speedup"]) if stats else "-"
 
 
 def markdown(r: dict) -> str:
@@ -181,7 +192,8 @@ def markdown(r: dict) -> str:
     if "hf_ms_per_token" in d:
         lines.append(f"- transformers: median {d['hf_ms_per_token']:.1f} ms/token (spread {d['hf_spread_ms'][0]:.1f}-"
                      f"{d['hf_spread_ms'][1]:.1f}); ours is {d['speedup_vs_hf']:.2f}x faster; "
-                     f"identical outputs on {d['outputs_identical']}/{sum(x['method'] == 'ar' for x in r['runs'])} prompts")
+                     f"identical outputs on {d['outputs_identical']}/"
+                     f"{d.get('hf_prompts', sum(x['method'] == 'ar' for x in r['runs']))} prompts")
     spec = [lb for lb in s["overall"] if lb != "ar"]
     if spec:
         lines += ["", "Speculative methods (speedup = our AR wall time / method wall time, same prompt, same run; "
@@ -213,12 +225,17 @@ def markdown(r: dict) -> str:
                       "llamacpp: llama.cpp on the same GGUF file). speedup = the peer's own plain generation wall "
                       "time / this mode's, same prompt; ours/theirs = tokens/s of our counterpart method at its "
                       "best K / theirs; best/theirs = the same for our fastest method overall; medians:", "",
-                  "| peer | category | tok/s | speedup | ours | ours/theirs | best/theirs | identical to our AR |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| peer | category | tok/s | speedup | ours | ours/theirs | best/theirs | identical to our AR | "
+                  "failed |", "|---|---|---|---|---|---|---|---|---|"]
         for name, peer in r["peers"].items():
             for cat, m in [*peer["by_category"].items(), ("overall", peer)]:
                 same = f"{m['identical_to_ar']}/{m['prompts']}" if "identical_to_ar" in m else "-"
                 best = f"{_x(m.get('best_vs_theirs'))} ({m['best']})" if m.get("best") else "-"
-                lines.append(f"| {name} | {cat} | {m['tokens_per_s']:.1f} | {m['speedup']:.2f}x | "
-                             f"{m['counterpart'] or '-'} | {_x(m['ours_vs_theirs'])} | {best} | {same} |")
+                tps = "-" if m["tokens_per_s"] is None else f"{m['tokens_per_s']:.1f}"
+                lines.append(f"| {name} | {cat} | {tps} | {_x(m['speedup'])} | {m['counterpart'] or '-'} | "
+                             f"{_x(m['ours_vs_theirs'])} | {best} | {same} | {m.get('failed', 0)} |")
+        failures = [(name, f) for name, peer in r["peers"].items() for f in peer.get("failures", [])]
+        if failures:
+            lines += ["", "Peer failures (measured as nothing; the run went on):"]
+            lines += [f"- {name} on {f['prompt_id']} ({f['category']}): {f['error']}" for name, f in failures]
     return "\n".join(lines)

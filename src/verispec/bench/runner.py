@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 
 from ..config import SamplingParams, SpecConfig
@@ -19,19 +20,28 @@ def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: l
     ``shared``: tokens this prompt shares with the one run before it. Each speculative run's draft model may
     start from that much of its last KV cache (llm.draft_prefixes), as a server's would after serving the other
     prompt, never from this prompt's own earlier runs.
-    Returns (our run records, peer run records). Speedup = our AR wall / method wall, same prompt.
+    Returns (our run records, peer run records). Speedup = our AR wall / method wall, same prompt. A peer mode that
+    fails on the prompt (an exception, its timeout, a context too small) is a record with its ``error`` instead of
+    timings, and the run goes on.
     """
     ar = llm.generate(ids, params)
     runs = [_record(prompt, ids, "ar", "ar", None, ar.stats, True)]
     peer_runs = []
     n_new = params.max_new_tokens
     for peer in peers:
-        if params.greedy and "hf" in peer.modes:  # decode-only time of transformers' plain generate (decode table)
-            _, prefill = peer.generate(ids, 1, "hf", params)
         for mode in peer.modes:
-            tokens, wall = peer.generate(ids, n_new, mode, params)
-            peer_runs.append({"peer": mode, "category": prompt.category, "prompt_id": prompt.id,
-                              "new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": len(tokens) / wall,
+            where = {"peer": mode, "category": prompt.category, "prompt_id": prompt.id}
+            try:
+                if mode == "hf" and params.greedy:  # decode-only time of transformers' plain generate (decode table)
+                    _, prefill = peer.generate(ids, 1, "hf", params)
+                tokens, wall = peer.generate(ids, n_new, mode, params)
+                if len(tokens) != n_new:
+                    raise RuntimeError(f"{len(tokens)} tokens, asked for {n_new}")
+            except Exception as e:  # a peer failing on one prompt is its result there; the run goes on
+                peer_runs.append({**where, "error": peer_error(e)})
+                print(f"verispec: peer {mode} failed on {prompt.id}: {peer_runs[-1]['error']}", file=sys.stderr)
+                continue
+            peer_runs.append({**where, "new_tokens": len(tokens), "wall_s": wall, "tokens_per_s": len(tokens) / wall,
                               "identical_to_ar": tokens == ar.token_ids if params.greedy else None})
             if mode == "hf" and params.greedy:
                 runs[0].update(hf_ms_per_token=1e3 * (wall - prefill) / (n_new - 1), hf_tokens_per_s=n_new / wall,
@@ -47,6 +57,12 @@ def run_prompt(llm, prompt, ids: list[int], params: SamplingParams, spec_runs: l
     return runs, peer_runs
 
 
+def peer_error(e: BaseException) -> str:
+    """A peer's failure in one line: its type and the first line of its message, at most 300 characters."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:300] if lines else '(no message)'}"
+
+
 def _record(prompt, ids, name: str, method: str, k: int | None, stats: dict, identical: bool) -> dict:
     keys = ("new_tokens", "wall_s", "tokens_per_s", "prefill_s", "target_s", "target_forwards",
             "mean_accepted_length", "decode_ms_per_token", "draft_s", "drafted_tokens", "accepted_tokens",
@@ -60,8 +76,8 @@ def _record(prompt, ids, name: str, method: str, k: int | None, stats: dict, ide
 def verify_cost_curve(llm, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: int = 8) -> dict[int, float]:
     """ms of one target forward over T new tokens (warm cache of ``context`` tokens), for each T: the median
     of ``repeats`` rounds that each time every size once, after two rounds of warm-up. Sizes one after the
-    other (all of T = 1 first) let a slow spell land on one size: on a Zen 4 VM, right after the bandwidth
-    probe, T = 1 came out at 74-77 ms against 41-46 for T = 2 in two bench runs."""
+    other (all of T = 1 first) let a slow spell land on one size (seen right after the bandwidth probe:
+    docs/BENCHMARKS.md, "Verify cost curve v(T)")."""
     import torch
 
     from ..models.kv_cache import KVCache

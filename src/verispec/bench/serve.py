@@ -215,12 +215,10 @@ def start_servers(args, modes: list[str], messages: list, stack: ExitStack) -> t
     """Load the LLM once, drop prompts that do not fit its context, start one server per mode: {mode: (url, name)}."""
     from .. import LLM, drafters
     from ..flags import engine_options, spec_options
-    from ..llm import AR
     from ..server import create_app
 
-    unknown = [m for m in modes if m != AR and m not in drafters.METHODS]
-    if unknown:
-        raise VerispecError(f"unknown method {unknown[0]!r} (available: {', '.join([AR, *drafters.METHODS])})")
+    for mode in modes:
+        drafters.check_method(mode)
     llm = LLM(**engine_options(args))
     context = min(llm.target.config.max_position_embeddings, args.kv_cache_tokens)
     fits = [(pid, msgs) for pid, msgs in messages if len(llm.codec.encode(msgs)) + args.max_tokens <= context]

@@ -2,7 +2,7 @@
 // (int8 or 4-bit: linear_int8.cpp / linear_q4.cpp, told apart by the packed weight's dtype).
 //
 // The draft model's decode step is ~24 layers x ~35 small PyTorch ops; running each layer as one call
-// makes a step ~20% cheaper (int8: 15.2 -> 12.0 ms, `python -m verispec.bench.draft_step`). The layer
+// makes a step cheaper (measured: docs/BENCHMARKS.md, "Draft step cost", per-op against fused). The layer
 // keeps the order of bf16 roundings of models/llama.py (RMSNorm in fp32 then scaled in bf16, RoPE and
 // residual adds in bf16, SiLU in fp32) and its kernels for the matrices; attention is fp32 with another
 // summation order than the batched matmul there (~1e-6 relative).
@@ -52,8 +52,8 @@ __attribute__((always_inline)) inline float lane_reduce(int64_t n, Term term) {
     for (int64_t l = 0; l < L; ++l) p[l] += term(i + l);
   for (; i < n; ++i) p[0] += term(i);
   // the tree p[l] += p[l + w] for w = 8, 4, 2, 1, written out so that it stays in registers: as a loop over w
-  // it went through the stack, a chain of dependent loads and stores per score (a 1.5B forward over 8 new
-  // tokens: -1.8 ms of 53)
+  // it went through the stack, a chain of dependent loads and stores per score (measured: docs/BENCHMARKS.md,
+  // "Kernel design choices")
   static_assert(L == 16, "the tree below sums 16 partial sums");
   float p8[8], p4[4];
   for (int64_t l = 0; l < 8; ++l) p8[l] = p[l] + p[l + 8];
@@ -84,7 +84,7 @@ __attribute__((always_inline)) inline float vexp(float x) {
 
 // The loops below are cloned for x86-64-v4 (AVX512 F/BW/DQ/VL), AVX2 and the baseline and picked at load; the
 // source fixes the order of every operation, so each clone gives the same bits. (A clone for AVX512F alone
-// packed bf16 without BW's word operations: SiLU over 8960 values 21 us against 11.)
+// packed bf16 without BW's word operations, slower: docs/BENCHMARKS.md, "What did not help".)
 // h[t] = w * bf16(x[t] * rsqrt(mean(x[t]^2) + eps))   (rows of n values, in place allowed)
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void rms_norm(const bf16* x, const bf16* w, bf16* h, int64_t rows, int64_t n, float eps) {
@@ -105,7 +105,8 @@ void add_into(bf16* y, const bf16* a, int64_t n) {
 
 // act = bf16(bf16(silu(gate)) * up) for one row of n, SiLU in fp32 (as F.silu on bf16). The denominators
 // 1 + exp(-g) go through a buffer: in one loop g++ (with the build's -fno-trapping-math) split the division by
-// vexp's clamp cases, four masked vdivps per 16 values where one does (8960 values: 57-65 -> 10-11 us, same bits).
+// vexp's clamp cases, four masked vdivps per 16 values where one does (same bits; measured: docs/BENCHMARKS.md,
+// "Kernel design choices").
 __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 void silu_mul(const bf16* __restrict gate, const bf16* __restrict up, bf16* __restrict act, int64_t n) {
   constexpr int64_t C = 256;
@@ -268,10 +269,11 @@ __attribute__((target("avx2"), always_inline)) inline float tree16(__m256 lo, __
 }
 
 // attend() with AVX2 intrinsics where hd is a multiple of 16 (no FMA: a multiply, then an add, as attend() does):
-// the same operations on every value in the same order, so bitwise the same result, ~3x faster than the compiler's
-// vectorization of attend() (which prefill, with hundreds of keys a row, spends most of its attention time in). The
-// scores of 4 keys at a time, their 16 partial sums in two registers each, the keys made floats once for all G
-// heads; the weighted sum of the values keeps up to 8 heads' sums of 8 dimensions in registers over all keys.
+// the same operations on every value in the same order, so bitwise the same result, faster than the compiler's
+// vectorization of attend() (which prefill, with hundreds of keys a row, spends most of its attention time in;
+// measured: docs/BENCHMARKS.md, "Kernel design choices"). The scores of 4 keys at a time, their 16 partial sums
+// in two registers each, the keys made floats once for all G heads; the weighted sum of the values keeps up to 8
+// heads' sums of 8 dimensions in registers over all keys.
 __attribute__((target("avx2")))
 void attend_avx2(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, int64_t G, int64_t hd,
                  int64_t lo, int64_t hi, float scale, float* scratch) {
@@ -427,8 +429,8 @@ torch::Tensor decoder_layer_quantized(const torch::Tensor& x, const torch::Tenso
   auto first_key = [&](int64_t last) -> int64_t { return window > 0 && last - window + 1 > 0 ? last - window + 1 : 0; };
 
   // 0. this layer's cached keys/values [lo, start) on their way into the L2 of the thread that will attend with
-  //    them (step 3 splits its items the same way), while the q/k/v projection streams its weights: the
-  //    draft's attention (24 layers, 200 cached tokens) 0.56 -> 0.46 ms a step
+  //    them (step 3 splits its items the same way), while the q/k/v projection streams its weights: a cheaper
+  //    draft attention (measured: docs/BENCHMARKS.md, "Kernel design choices")
   if (start > 0)
     at::parallel_for(0, T * Hkv, 1, [&](int64_t i0, int64_t i1) {
       uint64_t seen = 0;  // KV heads this thread has prefetched (heads past 63: not prefetched)

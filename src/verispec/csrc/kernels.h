@@ -41,7 +41,7 @@ struct Output {
       b[m * N + n] = at::BFloat16(v);
   }
   // y[m, n .. n + 3] = v + bias[n .. n + 3] (+ 0 without a bias): four set() calls in one, the same bits.
-  // (Zen 4: the GGUF kernel's forwards over 5 / 8 tokens -4% / -4 to -7%, the 4-bit draft step -3%.)
+  // (Faster forwards and draft steps: docs/BENCHMARKS.md, "Kernel design choices".)
   void set4(int64_t m, int64_t n, __m128 v, const float* bias) const {
     v = _mm_add_ps(v, bias ? _mm_loadu_ps(bias + n) : _mm_setzero_ps());
     if (f) {

@@ -21,8 +21,8 @@
 // Activations get the same k order.
 //   q: per tile of NR rows, block after block: [NR][B, B/2 or 3B/4] bytes (nibbles: low = chunk 2v, high =
 //      2v + 1; 6 bits: the low 4 as nibbles, then B/4 bytes of top 2 bits, chunk 4u + i's in bits 2i, 2i + 1 of
-//      the u-th 64 bytes: 6 bits a weight, where one byte a weight made a one-token forward read 1.10 GB a
-//      token instead of llama.cpp's ~0.98);
+//      the u-th 64 bytes: 6 bits a weight, where one byte a weight made a one-token forward read more than
+//      llama.cpp's (bytes a token: docs/BENCHMARKS.md, "Why ratios within one run"));
 //   s: per tile [NR][the row's scale bytes, in k order, as in the table].
 // A matrix may be several such segments stacked along N (fused q/k/v and gate/up projections whose parts
 // came in different types): one call computes them all. meta rows: kind, rows, tiles, q offset, s offset, K.
@@ -794,7 +794,8 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
   const Output out(x, M, N);
   const bool vec = has_vnni(), avx2 = has_avx2();
   // Long inputs (prefill) in blocks of rows whose int8 activations fit in L2 (~256 KB), each block passing
-  // over every tile: otherwise each 4-row weight tile re-reads all M rows from L3 (-10% at M = 300, K = 8960).
+  // over every tile: otherwise each 4-row weight tile re-reads all M rows from L3 (measured: docs/BENCHMARKS.md,
+  // "Kernel design choices").
   // A row's arithmetic is the same in any block.
   const int64_t rows_per_block = std::max<int64_t>(16, (262144 / K) / MT * MT);
   for (int64_t m_lo = 0; m_lo < M; m_lo += rows_per_block) {
@@ -810,13 +811,11 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
         const uint8_t* qt = sg.q + t * sg.tile_q;
         const uint8_t* st = sg.s + t * sg.tile_s;
         // With VNNI and at most 5 rows, one pass over the tile: its rows function makes each block's lane scales
-        // as it uses them instead of this loop storing them all for several passes to read back. Zen 4,
-        // cache-resident (scripts/kernel_stream.py --copies 1): Q4_K 17920 x 1536 M = 1 / 2 -6% / -26% (M <= 2
-        // first), M = 3 / 4 / 5 -15% / -9% / -3%, Q6_K 1536 x 8960 M = 1 / 2 -21% / -22% (once its two halves
-        // shared the scales); a one-token forward -7%, four tokens -9%. For M = 6..16, two or more passes
-        // making them each time gained nothing.
-        // The AVX2 rows functions always make their lane scales as they use them: on a Zen 3 the pass that stored
-        // them all here took 11% of a one-token forward.
+        // as it uses them instead of this loop storing them all for several passes to read back (Q6_K once its
+        // two halves shared the scales). For M = 6..16, two or more passes making them each time gained nothing.
+        // The AVX2 rows functions always make their lane scales as they use them: the pass that stored them all
+        // here took a measurable share of a one-token forward. Measured: docs/BENCHMARKS.md, "Kernel design choices"
+        // and "What did not help".
         const bool inl = vec && m_hi - m_lo <= 5;
         if (vec && !inl)
           scales_for(sg.kind)(bl, st, rsb, sv.data(), mv.data());
@@ -825,8 +824,8 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
             for (int64_t j = 0; j < NR; ++j)
               lane_scales(sg.kind, bl.size[b], bl.k0[b], st + j * rsb, sv.data() + (b * NR + j) * LANES,
                           mv.data() + (b * NR + j) * LANES);
-        // The tile PF_TILES ahead is prefetched (by the first pass) into L2, not L1: on a Zen 4 a one-token
-        // forward took 44-45 ms against 65 with the next tile into L1 (8 tokens 99 against 135).
+        // The tile PF_TILES ahead is prefetched (by the first pass) into L2, not the next into L1, which was
+        // slower (measured: docs/BENCHMARKS.md, "Kernel design choices").
         const uint8_t* next = t + PF_TILES < sg.tiles ? qt + PF_TILES * sg.tile_q : nullptr;
         if (next)
           for (int64_t p = 0; p < sg.tile_s; p += 64)
@@ -835,7 +834,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
         const TileArgs tn{&a, &bl, qt, sg.qo.data(), sv.data(), mv.data(), nullptr, st, rsb};
         // Rows in 4s, except that M = 4a + 5b with b = M mod 4 (M = 5, 9, 10, 13, 14, 15) takes its last rows 5
         // at a time (5 x 4 tiles) instead of ending in a pass of 1-3 rows that decodes every weight again: a
-        // verify pass over 5 tokens (K = 4) went from 1.45x to 1.30x a one-token forward.
+        // cheaper verify pass over 5 tokens, K = 4 (measured: docs/BENCHMARKS.md, "Kernel design choices").
         int64_t fives = (m_hi - m_lo) % MT;
         if (5 * fives > m_hi - m_lo) fives = 0;
         for (int64_t m = m_lo; m < m_hi;) {
@@ -849,7 +848,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
           } else if (inl) {
             (mr == 5 ? rows_for<5, 4, true>(sg.kind) : mr == 4 ? rows_for<4, 4, true>(sg.kind)
              : mr == 2 ? rows_for<2, 4, true>(sg.kind) : rows_for<1, 4, true>(sg.kind))(tm, m, 0, dots.data());
-          } else if (vec && mr == 4) {  // 4 x 4: -10% at M = 4 and 8 against two 4 x 2 passes (byte types -19%)
+          } else if (vec && mr == 4) {  // 4 x 4, not two 4 x 2 passes (docs/BENCHMARKS.md, "Kernel design choices")
             rows_for<4, 4>(sg.kind)(tm, m, 0, dots.data());
           } else if (vec && mr == 5) {
             rows_for<5, 4>(sg.kind)(tm, m, 0, dots.data());

@@ -133,7 +133,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
     int32_t dots[kMaxRows * NR];
     for (int64_t t = t0; t < t1; ++t) {
       const int8_t* wt = wp + t * (Kp / KC) * NR * KC;
-      if (t + kPfTiles < tiles) {  // the per-row scales and sums are streams too: fetch them ahead (was ~10% of a draft step)
+      if (t + kPfTiles < tiles) {  // the per-row scales and sums are streams too: fetch them ahead (unfetched they
+                                   // took a share of a draft step: docs/BENCHMARKS.md, "Kernel design choices")
         __builtin_prefetch(sw + (t + kPfTiles) * NR);
         __builtin_prefetch(rs + (t + kPfTiles) * NR);
         if (bp) __builtin_prefetch(bp + (t + kPfTiles) * NR);

@@ -24,7 +24,8 @@ constexpr int64_t NR = 4;   // weight rows per tile
 constexpr int64_t KC = 64;  // k per chunk: two groups of 32
 constexpr int64_t GS = 32;  // group size
 constexpr int64_t MT = 2;   // activation rows per register tile
-constexpr int64_t PF = 64;  // software prefetch distance, in chunks (8 KB), into L2: a Zen 4 draft step 17.2 -> 14.3 ms against 16 into L1
+constexpr int64_t PF = 64;  // software prefetch distance, in chunks (8 KB), into L2: faster than 16 into L1
+                            // (measured: docs/BENCHMARKS.md, "Kernel design choices")
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 

@@ -4,11 +4,11 @@ METHODS maps a method name to a factory ``(llm, spec) -> Drafter``; adding a dra
 one entry here, never a branch in the decoding loop.
 """
 
-from ..errors import VerispecError
+from ..errors import ConfigError, VerispecError
 from .auto import AutoDrafter
 from .base import Draft, Drafter, DraftRequest
 from .draft_model import DraftModelDrafter
-from .eagle import EagleDrafter
+from .head import HeadDrafter
 from .ngram import NgramDrafter, NgramIndex
 
 
@@ -24,7 +24,7 @@ def _auto(llm, spec) -> AutoDrafter:
     request."""
     candidates = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
     if llm.has_head:  # a head given, or one that ships for this target (a broken one is an error, not skipped)
-        candidates["eagle"] = EagleDrafter(llm.eagle_head())
+        candidates["eagle"] = HeadDrafter(llm.eagle_head())
     try:
         candidates["draft"] = _draft_model(llm, spec)
     except VerispecError:
@@ -35,9 +35,18 @@ def _auto(llm, spec) -> AutoDrafter:
 METHODS = {
     "draft": lambda llm, spec: _draft_model(llm, spec),
     "ngram": lambda llm, spec: NgramDrafter(spec.ngram_min, spec.ngram_max),
-    "eagle": lambda llm, spec: EagleDrafter(llm.eagle_head()),
+    "eagle": lambda llm, spec: HeadDrafter(llm.eagle_head()),
     "auto": _auto,
 }
 
-__all__ = ["AutoDrafter", "Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "EagleDrafter", "METHODS", "NgramDrafter",
+AR = "ar"  # plain autoregressive decoding: no drafter
+
+
+def check_method(method: str) -> None:
+    """The one check of a method name (LLM, CLI, server, bench): a ConfigError naming the choices."""
+    if method != AR and method not in METHODS:
+        raise ConfigError(f"unknown method {method!r} (available: {', '.join([AR, *METHODS])})")
+
+
+__all__ = ["AR", "check_method", "AutoDrafter", "Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "HeadDrafter", "METHODS", "NgramDrafter",
            "NgramIndex"]

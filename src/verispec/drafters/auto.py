@@ -1,6 +1,6 @@
 """``method="auto"``: each round, the drafter whose draft promises the most tokens per second.
 
-Every drafter is valued with the cost model of adaptive.py (live per-position acceptance, seconds per
+Every drafter is valued with the cost model of spec/policy.py and spec/costs.py (live per-position acceptance, seconds per
 drafted token, the target's verify cost per forward size, one table shared by all): a round of K drafts
 yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K + 1)`` seconds.
 
@@ -15,8 +15,8 @@ yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K +
   A short catch-up is this round's cost; a long one (a prompt) is a one-off, spread over the rounds left. Catch-up
   time is learned per token (short and long apart) and kept out of the per-token draft cost. Before its first
   round a drafter is valued with priors in units of one target step (PRIOR_C per drafted token, PRIOR_CATCH_UP
-  per catch-up token: measured ratios for the 0.5B draft of the 1.5B target on CPU, where PRIOR_C is 0.14 (4-bit
-  draft, bf16 target) to 0.4 (native target); the prior sits between them).
+  per catch-up token: the 0.5B draft of the 1.5B target on CPU, where PRIOR_C sits between the ratio measured with
+  the 4-bit draft on the bf16 target and on the native target; docs/BENCHMARKS.md, "Draft model").
 - Acceptance estimates start from the prior (0.6 a position) and move by an EMA: one unlucky first round lowers
   a drafter's estimate, it does not switch it off.
 - What auto measures is kept across requests (``memory``, held by the LLM per drafter set, K range and sampling
@@ -47,21 +47,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..adaptive import DraftLengthController, ema, verify_seconds
-from ..costmodel import expected_tokens_per_round
-from .base import Draft, DraftRequest
+from ..spec.costs import ema, expected_tokens, interpolate
+from ..spec.policy import (LONG_CATCH_UP, NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, PRIOR_C, PRIOR_CATCH_UP, RETRY_MAX_CATCH_UP,
+                           SPEC_MARGIN, DraftLengthController)
+from .base import Draft, Drafter, DraftRequest
 
-PRIOR_C = 0.25  # draft seconds per drafted token / target seconds per step, before the draft model ran
-PRIOR_CATCH_UP = 0.03  # the same for each token of a catch-up (fed together: cheap per token)
 TRY_MIN_MATCH = 3  # an n-gram match this long is valued at the prior without a record (shorter: only with a
-# record, or alone); in auto on 15 suite prompts (one-off count) untried 1-gram matches got 1 of 81 drafts
-# accepted, 2-grams 7 of 60, 3- and 4-grams 23 of 49
-LONG_CATCH_UP = 16  # catch-ups longer than this take the prefill path: a one-off, learned per token apart
-NO_SPEC_RETRY = 4  # plain rounds in a row before the best drafter drafts again; doubled after each losing retry
-NO_SPEC_RETRY_MAX = 64  # the longest wait between retries
-RETRY_MAX_CATCH_UP = 2.0  # a retry may first spend this many target steps catching up, no more
-SPEC_MARGIN = 1.1  # a drafter must promise this much more than a plain step: near break-even the estimate errs
-# (a draft model valued at 1.0x of plain decoding on multilingual prompts ran at 0.87-0.89x; 2-core Zen 3, 4 prompts)
+# record, or alone): untried 1- and 2-gram matches were accepted far less often than 3- and 4-grams (one-off
+# count: docs/BENCHMARKS.md, "auto")
 
 
 @dataclass
@@ -74,15 +67,14 @@ class AutoMemory:
     t_catch_up: dict[tuple[str, bool], float] = field(default_factory=dict)
 
 
-class AutoDrafter:
+class AutoDrafter(Drafter):
     adaptive = True  # chooses its own lengths: the engine must not wrap it again
 
     def __init__(self, drafters: dict[str, object], k_min: int, k_max: int, allow_no_spec: bool = True,
                  memory: dict | None = None):
         self.drafters = drafters
         # the target hidden states a delegate reads (an EAGLE head): the engine keeps them for all
-        self.feature_layers = next((tuple(d.feature_layers) for d in drafters.values()
-                                    if getattr(d, "feature_layers", ())), ())
+        self.feature_layers = next((tuple(d.feature_layers) for d in drafters.values() if d.feature_layers), ())
         self.k_min, self.k_max = k_min, k_max
         self.allow_no_spec = allow_no_spec  # a plain target step (K = 0) may be chosen
         self._memories = memory  # kept across requests: key -> AutoMemory, looked up in the first round
@@ -95,8 +87,11 @@ class AutoDrafter:
 
     def lag(self, context: list[int]) -> int:
         """Tokens of ``context`` that the delegates keeping state (a draft model, a head) have not read, the most of
-        any: in a batch the engine charges a first draft with that catch-up (engine/speculation.py)."""
-        return max((d.lag(context) for d in self.drafters.values() if hasattr(d, "lag")), default=0)
+        any: in a batch the engine charges a first draft with that catch-up (spec/policy.py)."""
+        return max((d.lag(context) for d in self.drafters.values()), default=0)
+
+    def delegates(self) -> dict[str, Drafter]:
+        return self.drafters
 
     def _use(self, memory: AutoMemory) -> None:
         self.memory = memory
@@ -122,7 +117,7 @@ class AutoDrafter:
 
     def _catch_up_seconds(self, name: str, drafter, request: DraftRequest, step: float) -> tuple[float, bool]:
         """Seconds this drafter would spend catching up before its next draft, and whether that is a long stretch."""
-        lag = drafter.lag(request.context) if hasattr(drafter, "lag") else 0
+        lag = drafter.lag(request.context)
         long = lag > LONG_CATCH_UP
         return max(lag, 0) * self.t_catch_up.get((name, long), PRIOR_CATCH_UP * step), long
 
@@ -132,7 +127,7 @@ class AutoDrafter:
         if not long:
             return seconds
         left = max(request.capacity - len(request.context) - request.num_tokens - 1, 1)  # new tokens still to come
-        return seconds / max(left / expected_tokens_per_round(ctl.rates()[:K]), 1.0)
+        return seconds / max(left / expected_tokens(ctl.rates()[:K]), 1.0)
 
     @staticmethod
     def _cheap_value(ctl: DraftLengthController, K: int, match: int | None, step: float | None) -> float:
@@ -155,7 +150,7 @@ class AutoDrafter:
         or no verify measured yet)."""
         if not self.allow_no_spec or not self.t_verify:
             return None
-        seconds = verify_seconds(self.t_verify, 1)
+        seconds = interpolate(self.t_verify, 1)
         return 1.0 / seconds if seconds > 0 else None
 
     def _plain_wins(self, value: float, ctl: DraftLengthController, catch_up: float) -> bool:
@@ -169,7 +164,7 @@ class AutoDrafter:
         if value >= SPEC_MARGIN * plain:  # a drafter wins: the back-off starts over
             self.plain_rounds, self.retry_after = 0, NO_SPEC_RETRY
             return False
-        if self.plain_rounds < self.retry_after or catch_up > RETRY_MAX_CATCH_UP * verify_seconds(self.t_verify, 1):
+        if self.plain_rounds < self.retry_after or catch_up > RETRY_MAX_CATCH_UP * interpolate(self.t_verify, 1):
             self.plain_rounds += 1
             return True
         self.plain_rounds, self.retry_after = 0, min(2 * self.retry_after, NO_SPEC_RETRY_MAX)  # retry: it drafts
@@ -189,16 +184,16 @@ class AutoDrafter:
         # to spend catching up first (expensive))
         options = []
         for name, d in self.drafters.items():
-            if getattr(d, "cheap", False):  # propose now, value the draft it really has
+            if d.cheap:  # propose now, value the draft it really has
                 t0 = time.perf_counter()
                 draft = d.propose(request)
                 spent = time.perf_counter() - t0
                 if draft.tokens.shape[1]:
-                    ctl = self.controller(name, getattr(d, "last_match", None))
+                    ctl = self.controller(name, d.last_match)
                     K = ctl.choose(draft.tokens.shape[1])
                     draft = replace(draft, tokens=draft.tokens[:, :K],
                                     draft_probs=None if draft.draft_probs is None else draft.draft_probs[:, :K])
-                    value = self._cheap_value(ctl, K, getattr(d, "last_match", None), step)
+                    value = self._cheap_value(ctl, K, d.last_match, step)
                     options.append((value, name, d, ctl, K, draft, spent))
             else:  # value it at the K it would choose; it proposes only if chosen
                 ctl = self.controller(name)
@@ -215,17 +210,17 @@ class AutoDrafter:
             return self._plain_step(request)
         if draft is None:  # a drafter that ends its rounds itself (early_stop) gets the largest K as its cap
             t0 = time.perf_counter()
-            cap = request.num_tokens if getattr(d, "early_stop", False) else K
+            cap = request.num_tokens if d.early_stop else K
             draft = d.propose(replace(request, num_tokens=cap))
             spent = time.perf_counter() - t0
             spent -= self._learn_catch_up(name, d)
-            self.catch_up = getattr(d, "catch_up", (0, 0.0))
+            self.catch_up = d.catch_up
         self._round = (d, ctl, draft.tokens.shape[1], spent, time.perf_counter())
         return replace(draft, source=name)
 
     def _learn_catch_up(self, name: str, drafter) -> float:
         """Seconds of this round's draft time that were catch-up (learned per token), not drafting."""
-        tokens, seconds = getattr(drafter, "catch_up", (0, 0.0))
+        tokens, seconds = drafter.catch_up
         if tokens <= 0:
             return 0.0
         key = (name, tokens > LONG_CATCH_UP)

@@ -1,14 +1,9 @@
-"""The drafter protocol: ``propose(request) -> Draft`` and ``update(num_accepted)``; nothing else.
-
-A drafter never touches the target's KV cache: the engine alone commits. A drafter with state of
-its own (a draft model's KV cache) rolls it back in ``update``.
-"""
+"""The drafter protocol (:class:`Drafter`: all of it, defaults included), what a drafter is given
+(:class:`DraftRequest`) and what it returns (:class:`Draft`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
-
 import torch
 
 from ..config import SamplingParams
@@ -48,13 +43,41 @@ class DraftRequest:
     features: torch.Tensor | None = None
 
 
-class Drafter(Protocol):
-    """A drafter may also set ``feature_layers`` (a tuple of target layer indices, 0 = embeddings, i = after layer
-    i): the engine then keeps those hidden states of every committed position and passes them as
-    ``DraftRequest.features``. Drafters without it get None."""
+class Drafter:
+    """The whole protocol between a drafter and the engine (and auto, which drives other drafters): every attribute
+    and method the engine or auto reads is declared here, with its default. A drafter subclasses this and overrides
+    what applies to it; nothing outside this file probes a drafter with getattr / hasattr.
 
-    def propose(self, request: DraftRequest) -> Draft: ...
+    A drafter never touches the target's KV cache: the engine alone commits. A drafter with state of its own (a draft
+    model's KV cache) rolls it back in ``update``.
+    """
+
+    # target layer indices (0 = embeddings, i = after layer i) whose hidden states the engine keeps for every
+    # committed position and hands over as ``DraftRequest.features`` (a draft head); () = none, features None
+    feature_layers: tuple[int, ...] = ()
+    # proposing costs ~nothing and a proposal may be dropped without ``update`` (n-gram lookup): auto asks it first
+    # and values the draft it really made
+    cheap: bool = False
+    # it may end a round before K on its own (the draft model's confidence): auto offers it the request's bound
+    early_stop: bool = False
+    # it chooses its own K per round (auto): never wrapped in another auto for ``adaptive``
+    adaptive: bool = False
+    # (tokens, seconds) this round's proposal spent catching up on committed tokens it had not read, beyond drafting
+    catch_up: tuple[int, float] = (0, 0.0)
+    # the length of the context suffix this round's draft was matched on (n-gram lookup), None if it does not match
+    last_match: int | None = None
+
+    def lag(self, context: list[int]) -> int:
+        """Tokens of ``context`` its own state has not read: what its next proposal must catch up on first."""
+        return 0
+
+    def delegates(self) -> dict[str, Drafter]:
+        """The drafters it chooses among (auto), by name; none for a drafter that drafts itself."""
+        return {}
+
+    def propose(self, request: DraftRequest) -> Draft:
+        """Up to ``request.num_tokens`` tokens (fewer, even none, is allowed: the round is then a plain step)."""
+        raise NotImplementedError
 
     def update(self, num_accepted: int) -> None:
         """The verifier accepted the first ``num_accepted`` proposed tokens; roll back the rest."""
-        ...

@@ -4,7 +4,7 @@ Each round it first catches up on the committed tokens it has not seen (the reco
 token, plus the last drafted token after a fully accepted round), in one forward, then samples K
 tokens with the same temperature / top-k / top-p transform as the target. With ``early_stop`` it ends
 the round before K once the draft's own confidence says one more token is not worth a draft step and a
-verify row (adaptive.worth_another_draft); the verifier is the same whatever the draft length, so this
+verify row (spec/policy.py worth_another_draft); the verifier is the same whatever the draft length, so this
 changes the speed, never the output.
 """
 
@@ -17,14 +17,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..adaptive import Calibration, ema, worth_another_draft
+from ..spec.costs import ema
+from ..spec.policy import Calibration, worth_another_draft
 from ..models.kv_cache import KVCache, PrefixCache
 from ..models.llama import Transformer
-from ..sampling import argmax, logits_to_probs, mask_logits
-from .base import Draft, DraftRequest
+from ..sampling import Prefix, ProcessorChain, draw, mask_logits
+from .base import Draft, Drafter, DraftRequest
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     def __init__(self, model: Transformer, early_stop: bool = True, calibrations: dict | None = None,
                  prefixes: PrefixCache | None = None):
         self.model = model
@@ -62,8 +63,8 @@ class DraftModelDrafter:
         for i in range(K):
             t0, fed = time.perf_counter(), tokens.shape[1]
             logits = fit_vocab(self._forward(tokens), request.vocab_size, request.logit_mask)  # [1, V]
-            probs = None if request.params.greedy else logits_to_probs(logits, request.params)  # [1, V]
-            token = argmax(logits) if probs is None else torch.multinomial(probs, 1, generator=request.generator)[:, 0]
+            token, probs = draw(logits, Prefix(ctx, tokens_out), ProcessorChain.from_params(request.params),
+                                request.generator)  # [1], q [1, V] or None (greedy); logits already masked
             tokens_out.append(token)
             if probs is not None:
                 probs_out.append(probs)
@@ -126,7 +127,8 @@ def confidence(logits: torch.Tensor, probs: torch.Tensor | None) -> float:
     if probs is not None:
         return probs.max().item()
     logits = logits.float()
-    if logits.device.type == "cpu":  # 1 / sum exp(x - max) in NumPy: [1, 151936] ~0.4 ms against ~1.2 for logsumexp
+    if logits.device.type == "cpu":  # 1 / sum exp(x - max) in NumPy: faster than logsumexp (docs/BENCHMARKS.md,
+        # "Draft step cost")
         x = logits[0].numpy()
         return float(1.0 / np.exp(x - x.max()).sum())
     return (logits.max() - torch.logsumexp(logits, -1)[0]).exp().item()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Draft, DraftRequest
+from .base import Draft, Drafter, DraftRequest
 
 
 class NgramIndex:
@@ -52,12 +52,12 @@ class NgramIndex:
         return [], 0
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     cheap = True  # proposing costs ~nothing and a proposal may be dropped without update()
 
     def __init__(self, n_min: int = 1, n_max: int = 4):
         self.index = NgramIndex(n_min, n_max)
-        self.last_match = 0  # n of this round's match (0: none), for callers that weigh drafts
+        self.last_match = 0  # n of this round's match (0: none)
 
     def propose(self, request: DraftRequest) -> Draft:
         self.index.extend(request.context)

@@ -3,7 +3,7 @@ decoding loop: the server runs many requests through it, ``LLM.generate`` / ``st
 by the request; its drafter may still stop a round early).
 
 1. schedule: which sequences run and which positions each feeds (scheduler.py: prefill chunks, decode rows, room
-   for K drafts), then K per request from the measured costs and acceptance (speculation.py)
+   for K drafts), then K per request from the measured costs and acceptance (spec/policy.py)
 2. propose: each decoding request's drafter proposes up to K tokens (its own state, its own generator)
 3. forward: one target forward over every fed row (Transformer.forward_paged on the paged KV cache)
 4. accept: per request, rejection sampling on its own rows (verify.py): accepted drafts, then one recovered or
@@ -18,24 +18,28 @@ its batch.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from ..adaptive import ema, verify_seconds
-from ..drafters.auto import LONG_CATCH_UP, PRIOR_CATCH_UP
+from ..spec.costs import ema
+from ..spec.policy import SpecPolicy
 from ..config import SamplingParams
-from ..drafters.base import DraftRequest
+from ..drafters.base import Draft, Drafter, DraftRequest
 from ..errors import VerispecError
 from ..models.kv_cache import PagedBatch, PagedKVCache
 from ..models.llama import Transformer
-from ..sampling import make_generator, mask_logits, next_token
-from ..verify import verify
+from ..sampling import ProcessorChain, draw, make_generator
+from ..spec.verify import verify
 from .block_manager import BlockManager
 from .scheduler import ScheduledChunk, Scheduler, Sequence, SequenceStatus
-from .speculation import SpecPolicy
 from .stats import Stats
+
+log = logging.getLogger("verispec.engine")
+MAX_DRAFT_TOKENS = 16  # the most drafts a request may ask for a step (the server's num_speculative_tokens bound)
 
 
 
@@ -49,6 +53,7 @@ class Request:
     generator: torch.Generator | None
     drafter: object | None = None
     fixed_k: bool = False  # draft the full K every step (no cost model)
+    chain: ProcessorChain | None = None  # the padding mask, then the params' transforms: applied to each row chosen
     new_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "eos" | "length" | "abort"
     features: torch.Tensor | None = None  # [capacity, F]: the drafter's target hidden states, per position
@@ -81,7 +86,9 @@ class Engine:
 
     def __init__(self, target: Transformer, num_blocks: int, block_size: int = 16, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, chunk_size: int = 256, logit_mask: torch.Tensor | None = None,
-                 eos_token_ids: tuple[int, ...] = (), prefix_reuse: bool = True):
+                 eos_token_ids: tuple[int, ...] = (), prefix_reuse: bool = True,
+                 max_draft_tokens: int = MAX_DRAFT_TOKENS):
+        self.max_draft_tokens = max_draft_tokens  # no request drafts more a step, whatever it asks
         self.target, self.logit_mask, self.eos_token_ids = target, logit_mask, tuple(eos_token_ids)
         self.device = target.embed_tokens.weight.device
         self.cache = PagedKVCache.for_model(target.config, num_blocks, block_size, target.dtype, self.device)
@@ -89,35 +96,48 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, chunk_size, prefix_reuse)
         self.requests: dict[int, Request] = {}
         self.policy = SpecPolicy()
-        self.t_catch_up: float | None = None  # EMA seconds per token of a drafter's long catch-up (a prompt)
         self._ids = itertools.count()
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def add(self, prompt_ids: list[int], params: SamplingParams, drafter=None, num_draft_tokens: int = 0,
+    def add(self, prompt_ids: list[int], params: SamplingParams,
+            drafter: Drafter | Callable[[int], Drafter | None] | None = None, num_draft_tokens: int = 0,
             fixed_k: bool = False) -> Request:
-        """Queue a request; ``drafter`` (any Drafter) proposes up to ``num_draft_tokens`` a step, as many as the
-        cost model gives it in each step's batch (``fixed_k``: always that many). A seeded sampling request always
-        drafts its full K: how many random numbers its drafts and verdicts use must not depend on the batch, so that
-        the same seed gives the same text whoever shares the server (greedy output never depends on K)."""
+        """Queue a request; its drafter proposes up to K tokens a step, as many as the cost model gives it in each
+        step's batch (``fixed_k``: always K). ``drafter``: a Drafter, or a factory that makes one for the request's
+        K (a drafter that sizes state by K, such as auto, must be made this way).
+
+        K is set here, once: ``num_draft_tokens``, at most ``max_draft_tokens``, and with ``fixed_k`` at most what a
+        step's budget holds beside one row per seat (a fixed K then always fits in turn). Every per-request
+        structure (the drafter, its controller in the policy, its stats) is sized by it. A seeded sampling request
+        always drafts its full K: how many random numbers its drafts and verdicts use must not depend on the batch,
+        so that the same seed gives the same text whoever shares the server (greedy output never depends on K)."""
         if not prompt_ids:
             raise VerispecError("empty prompt")
         rid = next(self._ids)
         fixed_k = fixed_k or (not params.greedy and params.seed is not None)
-        K = num_draft_tokens if drafter else 0
-        if fixed_k:  # what a step's budget holds beside one row per seat: a fixed K then always fits in turn
+        K = max(0, min(num_draft_tokens, self.max_draft_tokens)) if drafter else 0
+        if fixed_k:
             s = self.scheduler
             K = max(0, min(K, s.max_num_batched_tokens - s.max_num_seqs))
+        if callable(drafter) and not isinstance(drafter, Drafter):
+            drafter = drafter(K) if K else None
+        K = K if drafter else 0
         seq = Sequence(rid, list(prompt_ids), params.max_new_tokens, K, fixed_draft=fixed_k)
         self.scheduler.add(seq)
-        req = Request(rid, seq, params, make_generator(params, self.device), drafter, fixed_k)
+        req = Request(rid, seq, params, make_generator(params, self.device), drafter, fixed_k,
+                      chain=ProcessorChain.from_params(params, self.logit_mask))
         req.stats.prompt_tokens = len(prompt_ids)
         req.stats.reached, req.stats.accepted_at = [0] * seq.num_draft_tokens, [0] * seq.num_draft_tokens
-        if drafter is not None and getattr(drafter, "feature_layers", ()):
+        if drafter is not None and drafter.feature_layers:  # written by every forward that computes a position:
+            # such a sequence never takes a shared prefix's blocks, whose positions no forward of its own computes
+            seq.share_prefix = False
             width = len(drafter.feature_layers) * self.target.config.hidden_size
-            req.features = torch.empty(self._capacity(req), width, dtype=self.target.dtype, device=self.device)
+            req.features = torch.zeros(self._capacity(req), width, dtype=self.target.dtype, device=self.device)
+        if K:
+            self.policy.admit(rid, K)  # its controller is sized by this bound, not by a step's budget-cut K
         self.requests[rid] = req
         return req
 
@@ -139,7 +159,8 @@ class Engine:
         base_rows = sum(c.num_tokens if c.is_prefill else 1 for c in chunks)
         flexible = {c.seq.seq_id: c.num_draft for c in chunks
                     if c.num_draft and not self.requests[c.seq.seq_id].fixed_k}
-        catch_up = {rid: self._catch_up(self.requests[rid]) for rid in flexible}
+        catch_up = {rid: self.policy.catch_up(r.drafter.lag(r.seq.tokens), r.params.max_new_tokens - r.num_output)
+                    for rid in flexible if (r := self.requests[rid])}
         K = {c.seq.seq_id: c.num_draft for c in chunks} | self.policy.choose(
             flexible, base_rows, catch_up, seqs=len(chunks))
         # 2. propose: K drafts per decoding request that gets any (a drafter may propose fewer, even none)
@@ -148,21 +169,19 @@ class Engine:
             req, seq = self.requests[chunk.seq.seq_id], chunk.seq
             draft, t0 = None, time.perf_counter()
             if not chunk.is_prefill and K[seq.seq_id]:
-                self.policy.controller(seq.seq_id, chunk.num_draft)
                 if req.last_round:  # what its last drafting step cost besides drafting, by verify size
                     T, drafted_at = req.last_round
                     req.verify_s[T] = ema(req.verify_s.get(T), t0 - drafted_at)
-                draft = req.drafter.propose(DraftRequest(  # the live context (a draft cache given back keeps it)
+                draft = self._propose(req, DraftRequest(  # the live context (a draft cache given back keeps it)
                     seq.tokens, K[seq.seq_id], req.params, req.generator, self._capacity(req),
                     self.target.config.vocab_size, self.logit_mask, self.device, req.verify_s, req.features))
                 req.stats.draft_s += time.perf_counter() - t0
-                req.last_round = (draft.tokens.shape[1] + 1, time.perf_counter())
+                req.last_round = None if draft is None else (draft.tokens.shape[1] + 1, time.perf_counter())
             elif not chunk.is_prefill:
                 req.last_round = None
             # drafting time, less any catch-up on tokens the drafter skipped (its prompt, the first time)
-            fed_back, caught_up_s = getattr(req.drafter, "catch_up", (0, 0.0)) if draft else (0, 0.0)
-            if fed_back > LONG_CATCH_UP:
-                self.t_catch_up = ema(self.t_catch_up, caught_up_s / fed_back)
+            fed_back, caught_up_s = req.drafter.catch_up if draft and req.drafter else (0, 0.0)
+            self.policy.observe_catch_up(fed_back, caught_up_s)
             draft_s.append(time.perf_counter() - t0 - caught_up_s)
             fed = (seq.tokens[chunk.start:chunk.start + chunk.num_tokens] if chunk.is_prefill
                    else [seq.tokens[-1], *([] if draft is None else draft.tokens[0].tolist())])
@@ -171,7 +190,7 @@ class Engine:
             ids += fed
         # 3. forward: every fed row in one target forward; logits only where a token is chosen
         batch = PagedBatch(rows, self.device)
-        layers = sorted({i for c in chunks for i in getattr(self.requests[c.seq.seq_id].drafter, "feature_layers", ())})
+        layers = sorted({i for c in chunks if (d := self.requests[c.seq.seq_id].drafter) for i in d.feature_layers})
         firsts = [r for r in itertools.accumulate([0] + [n for n, _, _ in rows])][:-1]
         wanted = [list(range(f, f + n)) if not c.is_prefill else
                   ([f + n - 1] if c.start + n == c.seq.prefill_end else []) for c, (n, _, _), f in zip(chunks, rows, firsts)]
@@ -183,7 +202,6 @@ class Engine:
             torch.cuda.synchronize()
         t_forward = time.perf_counter() - t0
         self.policy.observe_forward(len(ids), t_forward)
-        logits = mask_logits(logits, self.logit_mask)  # [n, V]
         # 4-5. accept and commit, request by request
         out, at = [], 0
         for chunk, draft, seconds, (n, start, _), first, want in zip(chunks, drafts, draft_s, rows, firsts, wanted):
@@ -210,16 +228,20 @@ class Engine:
         accepted drafts and a recovered or bonus token after a verify row."""
         if not len(logits):
             return []
-        if draft is None:
-            return [next_token(logits[-1:], req.params, req.generator).item()]
+        chain = req.chain
+        if draft is None:  # the prefix of every row: the committed tokens (and, in a verify pass, the drafts before it)
+            return [draw(logits[-1:], req.seq.tokens, chain, req.generator)[0].item()]
         K = draft.tokens.shape[1]
         if K:
-            verdict = verify(logits[None], draft.tokens, draft.draft_probs, req.params, req.generator)
+            verdict = verify(logits[None], draft.tokens, draft.draft_probs, chain, req.generator, [req.seq.tokens])
             n = int(verdict.num_accepted[0])
             new = verdict.tokens[0, :n + 1].tolist()
         else:  # the drafter proposed nothing: a plain step
-            n, new = 0, [next_token(logits[-1:], req.params, req.generator).item()]
-        req.drafter.update(n)
+            n, new = 0, [draw(logits[-1:], req.seq.tokens, chain, req.generator)[0].item()]
+        try:
+            req.drafter.update(n)
+        except Exception as e:  # noqa: BLE001 - a drafter's failure costs its request the speculation, nothing more
+            self._drop_drafter(req, e)
         req.stats.record_round(K, n)
         if draft.source:
             record = req.stats.drafters.setdefault(draft.source, [0, 0, 0])  # rounds, drafted, accepted
@@ -227,6 +249,24 @@ class Engine:
             record[1] += K
             record[2] += n
         return new
+
+    def _propose(self, req: Request, request: DraftRequest) -> Draft | None:
+        """The request's draft, or None (a plain step) if its drafter fails or breaks the protocol: the drafter is
+        dropped and the request decodes on without speculation, exactly as before (the target alone decides)."""
+        try:
+            draft = req.drafter.propose(request)
+            if draft.tokens.shape[1] > request.num_tokens:
+                raise VerispecError(f"drafted {draft.tokens.shape[1]} tokens, asked for at most {request.num_tokens}")
+            return draft
+        except Exception as e:  # noqa: BLE001 - one request's drafter never fails the batch
+            self._drop_drafter(req, e)
+            return None
+
+    def _drop_drafter(self, req: Request, error: Exception) -> None:
+        log.warning("request %d: drafter %s failed (%s: %s); it decodes on without speculation", req.request_id,
+                    type(req.drafter).__name__, type(error).__name__, error, exc_info=error)
+        req.drafter, req.features, req.seq.num_draft_tokens = None, None, 0
+        self.policy.forget(req.request_id)
 
     def _finish_if_done(self, req: Request, new: list[int], done: bool) -> Request:
         """Record the step's tokens; end the request at an EOS (unless ignored) or at max_new_tokens."""
@@ -244,20 +284,6 @@ class Engine:
             self.requests.pop(req.request_id, None)
             self.policy.forget(req.request_id)
         return req
-
-    def _catch_up(self, req: Request) -> tuple[float, float]:
-        """(seconds the request's drafter would first spend on tokens it skipped, their share of this step). A long
-        catch-up (a draft model that has not read the prompt) is a one-off, spread over the steps left."""
-        lag = req.drafter.lag(req.seq.tokens) if hasattr(req.drafter, "lag") else 0
-        if lag <= 0 or not self.policy.t_forward:
-            return 0.0, 0.0
-        per_token = self.t_catch_up if self.t_catch_up is not None else PRIOR_CATCH_UP * verify_seconds(
-            self.policy.t_forward, 1)
-        seconds = lag * per_token
-        if lag <= LONG_CATCH_UP:
-            return seconds, seconds
-        steps_left = max((req.params.max_new_tokens - req.num_output) / 2, 1.0)  # ~2 tokens a drafting step
-        return seconds, seconds / steps_left
 
     def _capacity(self, req: Request) -> int:
         """The most positions the request's context can hold: prompt, new tokens and one round of drafts."""

@@ -61,6 +61,7 @@ class Sequence:
     arrival: int = -1
     num_preemptions: int = 0
     prefill_end: int = 0  # the running prefill computes positions [num_computed, prefill_end)
+    share_prefix: bool = True  # may start from blocks another sequence's prefill computed (prefix reuse)
 
     def __post_init__(self):
         self.tokens = self.tokens or list(self.prompt)
@@ -217,7 +218,7 @@ class Scheduler:
         (reserving the whole prefill up front: a running prefill never waits for blocks)."""
         if len(self.running) >= self.max_num_seqs:
             return False
-        if self.prefix_reuse:
+        if self.prefix_reuse and seq.share_prefix:
             seq.num_computed = self.blocks.share_prefix(seq.seq_id, seq.tokens, align=self.chunk_size)
         seq.prefill_end = len(seq.tokens)
         if self._chunk_len(seq) > budget or not self.blocks.can_reserve(seq.seq_id, seq.prefill_end):

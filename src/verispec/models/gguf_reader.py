@@ -1,7 +1,7 @@
 """A GGUF file's metadata and tensor index, read in well under a second.
 
-The ``gguf`` package's ``GGUFReader`` builds a numpy view for every part of every metadata value: for a
-Qwen2.5 file (151,936 tokens and 151,387 merges) that took 18 s of a first load on a 2-core Zen 1. Here the
+The ``gguf`` package's ``GGUFReader`` builds a numpy view for every part of every metadata value, slow for a
+Qwen2.5 file (151,936 tokens and 151,387 merges; timed against ``GGUFIndex``: docs/BENCHMARKS.md, "Load time"). Here the
 header is walked once with ``struct`` over a memory map, string arrays are decoded with one slice each, and
 numeric arrays are one ``np.frombuffer``. Tensor data stays on disk: each tensor's ``data`` is a read-only
 memmap view, shaped as ``GGUFReader`` shapes it (so ``gguf.quants.dequantize`` takes it as it is):

@@ -3,8 +3,8 @@
 A decode step reads every weight byte once. In 4 KB pages that is a TLB miss every 4 KB, and the CPU's
 stream prefetchers stop at every page boundary. Linux backs memory with 2 MB pages (transparent huge pages)
 where a mapping asks for them with madvise(MADV_HUGEPAGE), which is what most distributions' default
-("madvise") needs. On the 1.5B native target this made a forward over 1 / 4 / 8 new tokens 2.5% / 7% / 9%
-faster (docs/BENCHMARKS.md, "Native GGUF kernels").
+("madvise") needs. On the 1.5B native target this makes verify passes, and less so one-token steps, faster
+(measured: docs/BENCHMARKS.md, "2 MB pages").
 
 verispec's import already sets THP_MEM_ALLOC_ENABLE=1, so PyTorch's allocator advises its own blocks of
 2 MB and more; it does not reach these: the native blocks come from numpy or from the mapped cache file, and
@@ -14,7 +14,8 @@ most q/k/v and output matrices are under 2 MB.
 into one such mapping, 64-byte aligned, and points the layers at the copies; the values are unchanged. Where
 madvise is missing (another OS) or refused, or ``VERISPEC_HUGE_PAGES=0``, the tensors stay where they are.
 Copies read from a mapped file (the native-load cache) let go of the file's pages (MADV_PAGEOUT): otherwise
-they would stay in the process's resident memory next to the copies (+1.1 GB for the 1.5B target).
+they would stay in the process's resident memory next to the copies, a second copy of the weights
+(docs/BENCHMARKS.md, "2 MB pages").
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ later (nanochat ``cache_seqlens``; vLLM ``num_computed_tokens -= num_rejected``)
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from ..errors import VerispecError
@@ -63,36 +65,39 @@ class PrefixCache:
     template's system prompt, the earlier turns of a conversation) feed the model only what follows the common
     prefix. Used for the draft model, whose cache never bears on exactness (the verifier judges whatever it
     proposes); the target's prefill is not shared this way (a prefill in other chunks need not give the same bits
-    with dequantized weights, so an AR output could depend on the request before it)."""
+    with dequantized weights, so an AR output could depend on the request before it).
+
+    Thread-safe: ``put`` runs in a finalizer when a request's drafter is dropped, which may be on another thread (the
+    server's event loop) than the engine's ``take``."""
 
     def __init__(self):
         self.entry: tuple | None = None  # (model, cache, tokens): cache holds tokens[:cache.length]
+        self._lock = threading.Lock()
 
     def put(self, model, cache: KVCache, tokens: list[int]) -> None:
         """Keep ``cache`` (holding ``tokens[:cache.length]``) for the next request on ``model``."""
-        self.entry = (model, cache, tokens)
+        with self._lock:
+            self.entry = (model, cache, tokens)
 
     def limit(self, n: int) -> None:
         """Keep at most the first n tokens (0: forget everything)."""
-        if self.entry is not None:
-            self.entry[1].truncate(min(n, self.entry[1].length))
+        with self._lock:
+            if self.entry is not None:
+                self.entry[1].truncate(min(n, self.entry[1].length))
 
     def reusable(self, model, context: list[int]) -> int:
         """How many leading tokens of ``context`` the kept cache holds for ``model``; never all of them (the
         model must be fed at least one token to give logits)."""
-        if self.entry is None or self.entry[0] is not model:
-            return 0
-        _, cache, tokens = self.entry
-        limit = min(cache.length, len(tokens), len(context) - 1)  # tokens: a request may end mid-round
-        return common_prefix(tokens[:limit], context[:limit])
+        return _reusable(self.entry, model, context)
 
     def take(self, model, context: list[int], capacity: int, dtype, device) -> KVCache:
         """A cache of ``capacity`` for ``model`` holding the reusable prefix of ``context`` (0 tokens if none). The
         kept cache is handed over (or copied from, when too small) and forgotten: a request running at the same
         time gets a fresh one."""
-        n = self.reusable(model, context)
-        kept = self.entry[1] if self.entry is not None else None
-        self.entry = None
+        with self._lock:  # one read of the entry: a put between two reads would pair one cache with another's count
+            entry, self.entry = self.entry, None
+        n = _reusable(entry, model, context)
+        kept = entry[1] if entry is not None else None
         if n and kept.capacity >= capacity:
             kept.truncate(n)
             return kept
@@ -102,6 +107,14 @@ class PrefixCache:
             cache.v[:, :, :, :n] = kept.v[:, :, :, :n]
             cache.length = n
         return cache
+
+
+def _reusable(entry: tuple | None, model, context: list[int]) -> int:
+    if entry is None or entry[0] is not model:
+        return 0
+    _, cache, tokens = entry
+    limit = min(cache.length, len(tokens), len(context) - 1)  # tokens: a request may end mid-round
+    return common_prefix(tokens[:limit], context[:limit])
 
 
 class PagedKVCache:

@@ -2,8 +2,8 @@
 
 - packed (default on CPU, bf16/fp32): the weight pre-packed once in oneDNN's blocked layout.
   F.linear on a plain bf16 weight re-lays the weight out on every call, so a decode step reads each
-  weight byte about three times; packing makes a step ~2x faster here. In bf16 the output is bitwise
-  F.linear's; in float32 it differs by summation order (~1e-6 relative).
+  weight byte about three times; packing makes a step much faster (docs/BENCHMARKS.md, "bf16 (dequantized)
+  target"). In bf16 the output is bitwise F.linear's; in float32 it differs by summation order (~1e-6 relative).
 - quantized (drafts only, calls of up to kernels.MAX_ROWS rows: draft steps, their catch-ups), with
   verispec's own kernels (AVX512-VNNI), each activation row quantized to int8 with its own scale:
   int8: per-output-row symmetric int8 weights (csrc/linear_int8.cpp), half the bytes of bf16;
@@ -23,10 +23,9 @@ from .. import kernels
 from ..errors import VerispecError
 
 
-# float32: a packed oneDNN call costs ~60-80 us more than F.linear (MKL) whatever the size, and wins from ~1M
-# weights on (docs/BENCHMARKS.md, "Autoregressive decoding"; 2-core Zen 1, 2 threads, one row: a 64 x 32 test matrix 67 against 9 us,
-# 896 x 896 130 against 102, 1536 x 1536 738 against 787; 8960 x 1536 at 8 rows 13.9 against 25.2 ms). bf16
-# packs at any size: there F.linear re-lays the weight out on every call.
+# float32: a packed oneDNN call has a fixed cost that F.linear (MKL) does not, and wins only from ~1M weights on
+# (measured: docs/BENCHMARKS.md, "bf16 (dequantized) target", "Float32 matrices under 2^20 weights are not
+# packed"). bf16 packs at any size: there F.linear re-lays the weight out on every call.
 PACK_MIN_WEIGHTS = 1 << 20
 
 
@@ -47,8 +46,8 @@ def can_run_native(device, dtype) -> bool:
 
 
 def fast_bf16_matmul() -> bool:
-    """Whether oneDNN has bf16 hardware here (avx512_bf16 / AMX). Without it a bf16 product is emulated: 5.3x
-    an fp32 one on a Zen 1 CPU with AVX2 (300 x 896 @ 896 x 4864: 208 against 39 ms)."""
+    """Whether oneDNN has bf16 hardware here (avx512_bf16 / AMX). Without it a bf16 product is emulated, several
+    times slower than an fp32 one (docs/BENCHMARKS.md, "Which dtype on a CPU without avx512_bf16")."""
     global _FAST_BF16
     if _FAST_BF16 is None:
         _FAST_BF16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -151,8 +150,8 @@ class Linear(nn.Linear):
     def quantize(self, bits: int) -> None:
         """Add an int8 (bits=8) or 4-bit (bits=4) copy used for calls of up to kernels.MAX_ROWS rows
         (draft steps); longer calls (prefill) keep the float path, except in bf16 where bf16 products are
-        emulated (fast_bf16_matmul() False): there they run on the kernel too, MAX_ROWS rows at a time
-        (a 300-token draft prefill's products: 49 instead of 208 ms on an AVX2 CPU)."""
+        emulated (fast_bf16_matmul() False): there they run on the kernel too, MAX_ROWS rows at a time, faster
+        than emulated bf16 (docs/BENCHMARKS.md, "The draft's prompt prefill")."""
         if bits not in QUANT_BITS:
             raise ValueError(f"bits must be one of {sorted(QUANT_BITS)}, got {bits}")
         pack, op = QUANT_BITS[bits]

@@ -20,11 +20,13 @@ from . import hugepages
 from .config import ModelConfig
 from .kv_cache import KVCache, PagedBatch, PagedKVCache
 from .linear import PACK_MIN_WEIGHTS, Linear, can_pack, can_quantize
+from .vocab import to_target_vocab
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] (float32, on the CPU whatever the default device: on the meta device
-    these ops would import torch._dynamo, ~4 s of a load), with linear / llama3 / per-frequency scaling."""
+    these ops would import torch._dynamo, seconds of a load: docs/BENCHMARKS.md, "Load time"), with linear /
+    llama3 / per-frequency scaling."""
     hd = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64, device="cpu").float() / hd))
     rs = cfg.rope_scaling or {}
@@ -59,7 +61,8 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
     q: [B, H, T, hd]; k, v: [B, Hkv, S, hd]; mask: [B|1, 1, T, S] bool or None -> [B, H, T, hd].
     The H/Hkv query heads that share a KV head are stacked as extra rows of one matrix product, so
-    K and V are read once per KV head (no repeat). On CPU this beats the fused SDPA kernels ~5x at T=1.
+    K and V are read once per KV head (no repeat). On CPU this beats the fused SDPA kernels at T=1
+    (docs/BENCHMARKS.md, "Kernel design choices").
     """
     B, H, T, hd = q.shape
     Hkv, S = k.shape[1], k.shape[2]
@@ -226,7 +229,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         # No random init: the loader assigns every weight (on the meta device nn.Embedding's init imports
-        # torch._dynamo, ~4 s of every load on a 2-core machine).
+        # torch._dynamo, seconds of every load: docs/BENCHMARKS.md, "Load time").
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
@@ -340,8 +343,7 @@ class Transformer(nn.Module):
             x = x[:, T - num_logits:]
         logits = self.lm_head(self.norm(x)).float()  # [B, n, V], or [B, n, Vh] for a restricted head
         if self.head_ids is not None:
-            full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))  # [B, n, V]
-            logits = full.index_copy_(-1, self.head_ids, logits)
+            logits = to_target_vocab(logits, self.head_ids, self.config.vocab_size)  # [B, n, V]
         return logits, hidden
 
     @torch.inference_mode()
@@ -371,8 +373,7 @@ class Transformer(nn.Module):
             x = x[logit_rows]
         logits = self.lm_head(self.norm(x)).float()  # [n, V], or [n, Vh] for a restricted head
         if self.head_ids is not None:
-            full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))  # [n, V]
-            logits = full.index_copy_(-1, self.head_ids, logits)
+            logits = to_target_vocab(logits, self.head_ids, self.config.vocab_size)  # [n, V]
         return logits, hidden
 
     @property

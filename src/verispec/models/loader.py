@@ -95,10 +95,10 @@ def native_weights(source: str, weights: str, dtype: torch.dtype, device: str) -
 def auto_dtype(source: str, weights: str, device: str, draft: str | None = None) -> torch.dtype:
     """``dtype="auto"``: bf16 on a GPU, on a CPU with bf16 matrix hardware (avx512_bf16 / AMX), and for a
     target whose matrices run on the native GGUF kernels (they take bf16 activations). Else float32: without
-    that hardware a bf16 product over several rows is emulated (5.3x an fp32 one on a Zen 1 CPU), so a verify
-    pass costs far more in bf16 (default pair dequantized on that CPU: speculation 2.0x in float32 against
-    1.28x in bf16, docs/BENCHMARKS.md). Unless the float32 weights of target and draft would take over half
-    the available memory: then bf16, which fits."""
+    that hardware a bf16 product over several rows is emulated, several times an fp32 one, so a verify pass
+    costs far more in bf16 and speculation gains less (measured on a Zen 1 CPU: docs/BENCHMARKS.md, "Which dtype
+    on a CPU without avx512_bf16"). Unless the float32 weights of target and draft would take over half the
+    available memory: then bf16, which fits."""
     from .linear import fast_bf16_matmul
 
     if torch.device(device).type != "cpu" or fast_bf16_matmul():
@@ -182,7 +182,8 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device: str, name: str | None = 
 def load_gguf(path: Path, dtype: torch.dtype, device: str, progress: bool = False, native: bool = False,
               name: str | None = None, tokenizer_dir: Path | None = None) -> LoadedModel:
     """``tokenizer_dir``: a directory holding the file's tokenizer already converted (a pulled named model's):
-    transformers takes ~25 s to build a 150k-token tokenizer from GGUF metadata, ~1 s to read it back."""
+    transformers takes far longer to build a 150k-token tokenizer from GGUF metadata than to read it back
+    (docs/BENCHMARKS.md, "Load time")."""
     from .linear import can_run_native
     from .registry import cache_lock
 
@@ -227,10 +228,10 @@ DONE = "verispec-native.json"
 
 
 def native_cache_dir(path: Path, dtype: torch.dtype) -> Path | None:
-    """Where a native load of ``path`` keeps its re-laid-out blocks (parsing and re-ordering a 1.5B GGUF
-    takes ~18 s on a 2-core Zen 1, with the tokenizer already converted; reading them back ~1 s). Keyed by
-    the file's name, size and mtime, the dtype of the other tensors and the kernel's layout version (a cache of
-    an older layout is not read). VERISPEC_NATIVE_CACHE=0 turns it off."""
+    """Where a native load of ``path`` keeps its re-laid-out blocks (parsing and re-ordering a 1.5B GGUF takes
+    far longer than reading them back: docs/BENCHMARKS.md, "Load time"). Keyed by the file's name, size and
+    mtime, the dtype of the other tensors and the kernel's layout version (a cache of an older layout is not
+    read). VERISPEC_NATIVE_CACHE=0 turns it off."""
     from .gguf_native import LAYOUT
     from .registry import cache_dir
 

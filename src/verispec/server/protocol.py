@@ -4,7 +4,8 @@ Types are strict (``"5"`` is not an integer) and unknown fields are refused, exc
 may send that change nothing here: ``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier`` and
 ``prompt_cache_key`` take any value of their type; ``NEUTRAL`` fields only their no-op value (or null), since
 honouring ``frequency_penalty: 0.5`` silently as 0 would change the output the caller asked for. Defaults are
-OpenAI's (temperature 1, top_p 1); ``top_k`` and ``ignore_eos`` are extensions, as in vLLM.
+OpenAI's (temperature 1, top_p 1); ``top_k`` and ``ignore_eos`` are extensions, as in vLLM. ``stop`` takes at most
+4 strings (OpenAI's limit) of at most 256 characters each: every generated token is checked against each of them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
+MAX_STOP_CHARS = 256  # characters in one stop string
 # field -> its no-op values (null is always one)
 NEUTRAL: dict[str, tuple] = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
@@ -105,6 +108,17 @@ class GenerateRequest(Strict):
         if n != 1:
             raise ValueError("only n=1 is supported (one choice per request)")
         return n
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stop(cls, stop: str | list[str] | None):
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string has at most {MAX_STOP_CHARS} characters, got "
+                             f"{max(len(s) for s in stops)}")
+        return stop
 
     @field_validator(*NEUTRAL, check_fields=False)
     @classmethod

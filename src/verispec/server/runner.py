@@ -6,6 +6,9 @@ max_tokens) and hands each step's text to the request's asyncio queue with ``loo
 origin: the text of the step's accepted draft tokens, then that of the token the target chose itself (the recovered
 or bonus token of a verify step, or the token of a plain step). A stop string, or a client gone
 (``Generation.close``), aborts the request in the engine thread, which frees its blocks.
+
+A request that fails fails alone: the Engine isolates a request's failure inside a step, and the runner one in a
+request's detokenising; only a step that raises as a whole fails what runs (``_fail_all``, the last resort).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import NamedTuple
 from ..config import SamplingParams, SpecConfig
 from ..engine import Engine, Request
 from ..errors import VerispecError
+from ..frontend import Piece, feed, fit_context
 from ..llm import LLM
 from ..stopping import StopChecker
 from .metrics import Metrics
@@ -32,13 +36,6 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}  # StopChec
 
 class QueueFull(Exception):
     """More requests in flight than the server queues."""
-
-
-class Piece(NamedTuple):
-    """Streamed text of one origin: ``draft`` if accepted draft tokens made it, else the target's own token."""
-
-    text: str
-    draft: bool
 
 
 class StepEvent(NamedTuple):
@@ -138,9 +135,10 @@ class Runner:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
-    def make_drafter(self):
-        """A drafter for one request (None for plain decoding), as LLM.generate makes it."""
-        return self.llm.make_drafter(self.spec)
+    def make_drafter(self, num_draft_tokens: int | None = None):
+        """A drafter for one request of K = ``num_draft_tokens`` (default: the server's; None for plain decoding),
+        as LLM.generate makes it; the engine calls it with the request's K (Engine.add)."""
+        return self.llm.make_drafter(self.spec.with_k(num_draft_tokens or self.spec.num_draft_tokens))
 
     async def submit(self, prompt: str | list[int] | list[dict], params: SamplingParams,
                      max_tokens: int | None, num_speculative_tokens: int | None = None) -> Generation:
@@ -207,17 +205,12 @@ class Runner:
     def _admit(self, gen: Generation) -> None:
         ids = self.llm.codec.encode(gen.prompt)
         P = len(ids)
-        if P >= self.context:
-            raise VerispecError(f"the prompt is {P} tokens; the model's context is {self.context}")
-        room = min(self.context, self.cache_tokens + 1) - P  # the last token's KV is never written
-        max_new = room if gen.max_tokens is None else gen.max_tokens
-        if max_new < 1 or P + max_new > self.context:
-            raise VerispecError(f"the prompt ({P} tokens) + max_tokens ({max_new}) exceeds the model's context of "
-                                f"{self.context} tokens: shorten the prompt or lower max_tokens")
+        # the last token's KV is never written: a cache of N slots holds N + 1 tokens
+        max_new = fit_context(P, gen.max_tokens, self.context, self.cache_tokens + 1, name="max_tokens")
         params = dataclasses.replace(gen.params, max_new_tokens=max_new)
         gen.stopper = StopChecker(params, self.llm.eos_token_ids, self.llm.codec)
         K = gen.num_speculative_tokens
-        drafter = self.make_drafter() if K != 0 else None
+        drafter = self.make_drafter if K != 0 else None  # made by the engine for the request's K
         gen.req = self.engine.add(ids, params, drafter, self.spec.num_draft_tokens if K is None else K,
                                   fixed_k=K is not None)
         gen.prompt_tokens = P
@@ -230,22 +223,34 @@ class Runner:
             if gen is None:
                 continue
             now = now or time.perf_counter()
-            accepted = req.accepted - gen.num_accepted_tokens  # this step's accepted drafts: new_tokens' head
-            self._count(gen, req, now)
-            stopper = gen.stopper
-            pieces = detokenize(stopper, req.new_tokens, accepted)
-            finish = None
-            if stopper.finished or req.finished:
-                if not req.finished:  # a stop string
-                    self.engine.abort(req.request_id)
-                del self._live[req.request_id]
-                finish = gen.finish_reason = FINISH_REASONS[stopper.finish_reason or req.finish_reason]
-                gen.text = stopper.finalize()
-                self.metrics.e2e_latency.observe(now - gen.arrival)
-            if pieces or finish:
-                events.append((gen, StepEvent(pieces, finish, gen.completion_tokens, gen.num_draft_tokens,
-                                              gen.num_accepted_tokens)))
+            try:
+                event = self._event(gen, req, now)
+            except Exception as e:  # a bug in this request's detokenising or counting: it fails alone
+                log.exception("request %d failed", req.request_id)
+                self._live.pop(req.request_id, None)
+                self.engine.abort(req.request_id)
+                event = RuntimeError(f"the request failed: {type(e).__name__}: {e}")
+            if event is not None:
+                events.append((gen, event))
         return events
+
+    def _event(self, gen: Generation, req: Request, now: float) -> StepEvent | None:
+        """Detokenise the request's new tokens; its StepEvent, or None if it has nothing to stream yet."""
+        accepted = req.accepted - gen.num_accepted_tokens  # this step's accepted drafts: new_tokens' head
+        self._count(gen, req, now)
+        stopper = gen.stopper
+        pieces = feed(stopper, req.new_tokens, accepted)
+        finish = None
+        if stopper.finished or req.finished:
+            if not req.finished:  # a stop string
+                self.engine.abort(req.request_id)
+            del self._live[req.request_id]
+            finish = gen.finish_reason = FINISH_REASONS[stopper.finish_reason or req.finish_reason]
+            gen.text = stopper.finalize()
+            self.metrics.e2e_latency.observe(now - gen.arrival)
+        if pieces or finish:
+            return StepEvent(pieces, finish, gen.completion_tokens, gen.num_draft_tokens, gen.num_accepted_tokens)
+        return None
 
     def _count(self, gen: Generation, req: Request, now: float) -> None:
         """Latencies and speculative counts of one step; a step verifies at most one draft per request, and what
@@ -264,6 +269,8 @@ class Runner:
         m.generation_tokens.inc(len(req.new_tokens))
 
     def _fail_all(self, error: Exception) -> list:
+        """The last resort, when a step raises as a whole: every running request fails (a 500, or a stream's error
+        event) and the server goes on."""
         events = []
         for rid, gen in list(self._live.items()):
             self.engine.abort(rid)
@@ -283,19 +290,6 @@ class Runner:
             gen.loop.call_soon_threadsafe(gen.queue.put_nowait, event)
         except RuntimeError:  # the event loop is closed: the server is stopping
             pass
-
-
-def detokenize(stopper: StopChecker, tokens: list[int], num_draft: int) -> tuple[Piece, ...]:
-    """Feed one step's tokens to ``stopper``: the first ``num_draft`` (accepted drafts), then the rest (the target's
-    token); their streamable text by origin. Text a token leaves incomplete goes out with a later piece, and nothing
-    is fed once the stopper has finished, so the pieces of all steps concatenate to the plain stream's text."""
-    pieces = []
-    for part, draft in ((tokens[:num_draft], True), (tokens[num_draft:], False)):
-        if part and not stopper.finished:
-            stopper.append(part)
-            if text := stopper.stream_piece():
-                pieces.append(Piece(text, draft))
-    return tuple(pieces)
 
 
 def _settle(future: asyncio.Future, error: Exception | None) -> None:

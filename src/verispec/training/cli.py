@@ -1,4 +1,5 @@
-"""`verispec train-head`: extract the target's features from a corpus, then train an EAGLE-3 draft head on them.
+"""`verispec train-head`: extract the target's features from a corpus, then train a draft head on them (``--arch``:
+its family, one recipe each in training/recipes/; EAGLE-3 by default).
 
 Both phases resume: extraction skips the sequences its shards hold, training (--resume) continues from the last
 checkpoint bit for bit. ``torchrun --nproc-per-node N -m verispec.cli train-head ...`` splits both over N
@@ -14,7 +15,8 @@ from dataclasses import fields
 from pathlib import Path
 
 from ..errors import VerispecError
-from .train import TrainConfig
+from .recipes import RECIPES
+from .trainer import TrainConfig
 
 
 def _layers(text: str) -> tuple[int, ...]:
@@ -41,8 +43,9 @@ def add_train_parser(sub) -> None:
     from ..models.registry import DEFAULT_TARGET
 
     d = TrainConfig()
-    p = sub.add_parser("train-head", help="train an EAGLE-3 draft head on a target's hidden states",
+    p = sub.add_parser("train-head", help="train a draft head (EAGLE-3) on a target's hidden states",
                        description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", choices=sorted(RECIPES), default="eagle3", help="the head's family (default eagle3)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"model name, HF directory or .gguf (default: {DEFAULT_TARGET})")
     p.add_argument("--data", nargs="+", required=True, metavar="FILE_OR_DIR",
                    help="training text: directories (every text file under them), text files, or JSONL with "
@@ -80,10 +83,9 @@ def run_train(args) -> int:
     import torch
 
     from ..llm import LLM
-    from ..models.eagle import EagleHead, HeadConfig
     from ..models.loader import load
     from .extract import extract
-    from .train import Trainer, draft_vocabulary, init_head, load_split
+    from .trainer import Trainer, draft_vocabulary, load_split
 
     out = Path(args.out)
     try:
@@ -110,9 +112,9 @@ def run_train(args) -> int:
     features = Path(args.features) if args.features else out / "features"
 
     # 1. features: the target as inference runs it (native GGUF weights on CPU)
+    recipe = RECIPES[args.arch]
     llm = LLM(args.target, progress=progress and rank == 0)
-    layers = args.layers or HeadConfig.for_target(llm.target.config, None, 1).layers
-    HeadConfig.for_target(llm.target.config, layers, 1)  # checks the layer numbers
+    layers = recipe.head.Config.for_target(llm.target.config, args.layers, 1).layers  # checks the layer numbers
     report = extract(llm, args.data, features, layers, args.seq_len, args.extract_tokens, args.heldout_tokens,
                      args.topk, args.seed, args.self_distill_tokens, rank, world, progress)
     for split, r in report.items():
@@ -129,10 +131,10 @@ def run_train(args) -> int:
     target = load(args.target, torch.bfloat16, "cpu", progress=False, weights="dequantized")
     train, heldout = load_split(features, "train"), load_split(features, "heldout")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
-    hc = HeadConfig.for_target(target.config, layers, cfg.draft_vocab)
-    head = EagleHead(hc)
+    head = recipe.build(target.config, layers, cfg.draft_vocab)
+    hc = head.config
     head.d2t = draft_vocabulary(train["topk_ids"][..., 0], hc.draft_vocab_size, hc.vocab_size, eos)
-    init_head(head, target.model, cfg.init, cfg.seed)
+    recipe.init(head, target.model, cfg.init, cfg.seed)
     head.attach_embedding(target.model.embed_tokens)
     trainer = Trainer(head, cfg, train, heldout, out, rank, world,
                       log=lambda line: print(line, file=sys.stderr))

@@ -1,8 +1,7 @@
-"""Training a draft head on extracted features: EAGLE-3's recipe, sized for a CPU.
+"""Training a draft head of any family on extracted features, sized for a CPU. The family's own parts (initial
+weights, the training forward, the loss) come from its recipe, RECIPES[head.config.family] (training/recipes/).
 
-Loss: per unrolled step j (training-time test, the head fed its own outputs), the cross-entropy between the head's
-distribution over the draft vocabulary and the target's (its top-k, renormalised over the draft vocabulary),
-weighted 0.8^j. AdamW with warm-up and cosine decay; the LM head is the target's rows, frozen. A checkpoint every
+AdamW with warm-up and cosine decay on the head's trainable weights. A checkpoint every
 ``ckpt_every`` steps holds the head, the optimizer and the step; the data order is a function of (seed, step), so
 ``--resume`` continues bit for bit. Held-out acceptance (greedy, per chain position) is printed as it goes.
 Under torchrun (WORLD_SIZE > 1) each rank takes its own sequences of every step and DDP averages the gradients.
@@ -17,14 +16,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 
 from ..errors import VerispecError
-from ..models.eagle import EagleHead, HeadConfig, frozen_rows, save_head
+from ..heads.base import DraftHead
+from ..heads.io import save_head
 from ..models.linear import fast_bf16_matmul
+from ..spec.costs import expected_tokens
 from .extract import shards
-
-STEP_WEIGHT = 0.8  # EAGLE-3: step j's loss weighted 0.8^j
+from .recipes import RECIPES, Labels
 
 
 @dataclass
@@ -60,106 +60,34 @@ def draft_vocabulary(top1: torch.Tensor, size: int, vocab_size: int, always: tup
     return torch.sort(order).values
 
 
-def init_head(head: EagleHead, target, init: str, seed: int) -> None:
-    """Weights before training; the LM head is always the target's rows for the draft vocabulary (frozen)."""
-    gen = torch.Generator().manual_seed(seed)
-    D = head.config.hidden_size
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-            elif "norm" in name:
-                p.fill_(1.0)
-            else:
-                p.zero_()
-        head.lm_head.weight.copy_(frozen_rows(target.lm_head, head.d2t).float())
-        head.lm_head.weight.requires_grad_(False)
-        head.norm.weight.copy_(target.norm.weight.float())
-        if init == "target":
-            last, m = target.layers[-1], head.midlayer
-            a, ta = m.self_attn, last.self_attn
-            qkv = ta.qkv_proj.dense_weight().float()  # [(H + 2 Hkv) hd, D]
-            q, k, v = qkv.split([a.h * a.hd, a.hkv * a.hd, a.hkv * a.hd])
-            for proj, w in ((a.q_proj, q), (a.k_proj, k), (a.v_proj, v)):
-                proj.weight[:, D:] = w  # the hidden half reads as the target's layer does; the token half is new
-            if ta.qkv_proj.bias is not None and a.q_proj.bias is not None:
-                for proj, b in zip((a.q_proj, a.k_proj, a.v_proj),
-                                   ta.qkv_proj.bias.float().split([a.h * a.hd, a.hkv * a.hd, a.hkv * a.hd])):
-                    proj.bias.copy_(b)
-            a.o_proj.weight.copy_(ta.o_proj.dense_weight().float())
-            gate, up = last.mlp.gate_up_proj.dense_weight().float().split(last.mlp.inter)
-            m.gate_proj.weight.copy_(gate)
-            m.up_proj.weight.copy_(up)
-            m.down_proj.weight.copy_(last.mlp.down_proj.dense_weight().float())
-            for norm in (m.hidden_norm, m.input_layernorm):
-                norm.weight.copy_(last.input_layernorm.weight.float())
-            m.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
-            n = len(head.config.layers)
-            head.fc.weight.mul_(0.1)
-            head.fc.weight[:, (n - 1) * D:] += torch.eye(D)  # start from the highest layer's features
-
-
-class Labels:
-    """The target's distribution over the draft vocabulary, from its stored top-k."""
-
-    def __init__(self, d2t: torch.Tensor, vocab_size: int):
-        self.t2d = torch.full((vocab_size,), -1, dtype=torch.long)
-        self.t2d[d2t] = torch.arange(len(d2t))
-        self.Vd = len(d2t)
-
-    def __call__(self, topk_ids: torch.Tensor, topk_logp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T, k] each -> (p [B, T, Vd] float32, the target's top-1 as a draft row or -1 [B, T])."""
-        rows = self.t2d[topk_ids.long()]  # [B, T, k]
-        p = topk_logp.float().exp() * (rows >= 0)
-        p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
-        dense = torch.zeros(*rows.shape[:2], self.Vd).scatter_add_(-1, rows.clamp(min=0), p)
-        return dense, rows[..., 0]
-
-
-def chain_loss(head, batch: dict, labels: Labels, steps: int):
-    """-> (weighted loss, [steps] rows where the chain's greedy pick matched so far, [steps] rows reached)."""
-    tokens, feats = batch["tokens"].long(), batch["features"].float()
-    p, top1 = labels(batch["topk_ids"], batch["topk_logp"])  # [B, T, Vd], [B, T]
-    T = tokens.shape[1]
-    step_logits = head(feats, tokens, steps)
-    loss, hits, reached = 0.0, [], []
-    alive = None
-    for j, logits in enumerate(step_logits):
-        n = T - j - 1  # rows r with a label at r + j + 1
-        lg, pj, tj = logits[:, :n], p[:, j + 1:], top1[:, j + 1:]
-        loss = loss + STEP_WEIGHT ** j * -(pj * F.log_softmax(lg.float(), -1)).sum(-1).mean()
-        with torch.no_grad():
-            ok = lg.argmax(-1) == tj  # [B, n]
-            reached.append(ok.numel() if alive is None else int(alive[:, :n].sum()))
-            alive = ok if alive is None else alive[:, :n] & ok  # rows whose chain matched the target so far
-            hits.append(int(alive.sum()))
-    return loss, hits, reached
-
-
 def acceptance(hits: list[int], reached: list[int]) -> list[float]:
     return [h / r if r else 0.0 for h, r in zip(hits, reached)]
 
 
-def expected_length(rates: list[float]) -> float:
-    """1 + sum_i prod_{j <= i} a_j: tokens per round of a chain of len(rates) greedy drafts (tau)."""
-    out, run = 1.0, 1.0
-    for a in rates:
-        run *= a
-        out += run
-    return out
+class Unrolled(nn.Module):
+    """The recipe's training forward as a module: what DDP wraps (its hooks average the head's gradients)."""
+
+    def __init__(self, head: DraftHead, unroll):
+        super().__init__()
+        self.head, self.unroll = head, unroll
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:
+        return self.unroll(self.head, features, tokens, steps)  # per step [B, T, Vd]
 
 
 class Trainer:
-    def __init__(self, head: EagleHead, cfg: TrainConfig, train: dict, heldout: dict, out: Path,
+    def __init__(self, head: DraftHead, cfg: TrainConfig, train: dict, heldout: dict, out: Path,
                  rank: int = 0, world: int = 1, log=print):
         self.head, self.cfg, self.train, self.heldout, self.out = head, cfg, train, heldout, out
         self.rank, self.world, self.log = rank, world, log
+        self.recipe = RECIPES[head.config.family]
         self.labels = Labels(head.d2t, head.config.vocab_size)
-        self.model = head
+        self.forward = Unrolled(head, self.recipe.unroll)
+        self.model = self.forward
         if world > 1:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.model = DistributedDataParallel(head)
+            self.model = DistributedDataParallel(self.forward)
         params = [p for p in head.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.step = 0
@@ -198,7 +126,7 @@ class Trainer:
             for g in self.opt.param_groups:
                 g["lr"] = self.lr_at(self.step)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-                loss, hits, reached = chain_loss(self.model, batch, self.labels, c.ttt_steps)
+                loss, hits, reached = self.recipe.loss(self.model, batch, self.labels, c.ttt_steps)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in self.head.parameters() if p.requires_grad], 0.5)
@@ -224,13 +152,13 @@ class Trainer:
         for i in range(h["tokens"].shape[0]):
             batch = {k: v[i:i + 1] for k, v in h.items()}
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-                loss, hh, rr = chain_loss(self.head, batch, self.labels, self.cfg.ttt_steps)
+                loss, hh, rr = self.recipe.loss(self.forward, batch, self.labels, self.cfg.ttt_steps)
             losses.append(loss.item())
             hits = [a + b for a, b in zip(hits, hh)]
             reached = [a + b for a, b in zip(reached, rr)]
         rates = acceptance(hits, reached)
         rec = {"step": self.step, "train_loss": round(train_loss, 4), "heldout_loss": round(sum(losses) / len(losses), 4),
-               "heldout_acceptance": [round(a, 4) for a in rates], "heldout_tau": round(expected_length(rates), 3),
+               "heldout_acceptance": [round(a, 4) for a in rates], "heldout_tau": round(expected_tokens(rates), 3),
                "train_tokens_per_s": round(tok_s, 1)}
         self.history.append(rec)
         self.log(f"step {self.step}/{self.cfg.steps}: held-out acceptance per position "
@@ -242,7 +170,7 @@ class Trainer:
         if self.rank:
             return
         state = {"step": self.step, "head": self.head.state_dict(), "d2t": self.head.d2t, "opt": self.opt.state_dict(),
-                 "config": asdict(self.cfg), "head_config": asdict(self.head.config), "history": self.history}
+                 "config": asdict(self.cfg), "history": self.history}
         tmp = self.out / "checkpoint.pt.tmp"
         torch.save(state, tmp)
         tmp.rename(self.out / "checkpoint.pt")
@@ -256,9 +184,3 @@ class Trainer:
         self.head.load_state_dict(state["head"])
         self.opt.load_state_dict(state["opt"])
         self.step, self.history = state["step"], state["history"]
-
-
-def head_config_from(state_path: Path) -> tuple[HeadConfig, torch.Tensor]:
-    state = torch.load(state_path, map_location="cpu", weights_only=False)
-    c = state["head_config"]
-    return HeadConfig(**{**c, "layers": tuple(c["layers"])}), state["d2t"]

@@ -1,5 +1,6 @@
-"""The EAGLE-3 draft head: its files (the public EAGLE-3 / SpecForge layout, our own int8 files, one-line errors)
-and the training-time unroll against step-by-step inference on a KV cache."""
+"""Draft heads (heads/): the EAGLE-3 head's files (the public EAGLE-3 / SpecForge layout, our own int8 files, the
+"family" field, one-line errors), draft-vocabulary logits placed at their target ids, and the EAGLE-3 recipe's
+training-time unroll against step-by-step inference on a KV cache."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from torch import nn
 
 from verispec.errors import VerispecError
 from verispec.models.config import ModelConfig
-from verispec.models.eagle import EagleHead, HeadConfig, read_head, save_head
+from verispec.heads import FAMILIES, Eagle3Config, Eagle3Head, read_head, save_head, to_target_vocab
+from verispec.training.recipes.eagle3 import unroll
 
 D, I, H, HKV, HD, V, VD = 64, 128, 4, 2, 16, 264, 40
 LAYERS = (0, 1, 2)
@@ -148,12 +150,45 @@ def test_public_head_runs(tmp_path):
     assert logits.shape == (1, 5, VD) and torch.isfinite(logits).all()
 
 
+def test_catch_up_is_the_last_row_of_a_step_on_fused_features(tmp_path):
+    write_public(tmp_path / "head", public_tensors())
+    head, _ = read_head(tmp_path / "head", target_config())
+    head.attach_embedding(nn.Embedding(V, D))
+    feats, tokens = torch.randn(1, 5, len(LAYERS) * D), torch.randint(0, V, (1, 5))
+    a, b = head.new_cache(16, torch.float32, "cpu"), head.new_cache(16, torch.float32, "cpu")
+    got = head.catch_up(feats, tokens, a)
+    assert got.shape == (1, 1, D) and a.length == b.length + 5
+    assert torch.equal(got, head.step(head.fc(feats), tokens, b)[:, -1:])
+
+
+def test_to_target_vocab_places_draft_rows_at_their_ids():
+    ids = draft_ids()
+    logits = torch.randn(2, 3, VD)
+    full = to_target_vocab(logits, ids, V)  # [2, 3, V]
+    assert full.shape == (2, 3, V) and torch.equal(full[..., ids], logits)
+    rest = torch.ones(V, dtype=torch.bool)
+    rest[ids] = False
+    assert torch.isneginf(full[..., rest]).all()
+    assert torch.equal(to_target_vocab(logits[:, 0], ids, V), full[:, 0])  # [B, Vd] -> [B, V]
+
+
+def test_family_names_the_head_class(tmp_path):
+    """config.json's "family" picks the head class (absent: eagle3); an unknown one is one line naming it."""
+    assert FAMILIES["eagle3"] is Eagle3Head and Eagle3Config.family == "eagle3"
+    write_public(tmp_path / "head", public_tensors(), cfg=public_config(family="eagle3"))
+    head, _ = read_head(tmp_path / "head", target_config())
+    assert type(head) is Eagle3Head and head.feature_layers == LAYERS
+    write_public(tmp_path / "other", public_tensors(), cfg=public_config(family="medusa-9"))
+    msg = one_line_error(tmp_path / "other")
+    assert "medusa-9" in msg and "eagle3" in msg, msg
+
+
 # -- 2. save_head -> read_head ----------------------------------------------------------------------------------
 
-def random_head(seed: int = 0, layers=LAYERS, bias: bool = False) -> EagleHead:
+def random_head(seed: int = 0, layers=LAYERS, bias: bool = False) -> Eagle3Head:
     torch.manual_seed(seed)
-    c = HeadConfig(D, I, H, HKV, HD, 1e-6, V, VD, tuple(layers), 10000.0, bias, 256)
-    head = EagleHead(c)
+    c = Eagle3Config(D, I, H, HKV, HD, 1e-6, V, VD, tuple(layers), 10000.0, bias, 256)
+    head = Eagle3Head(c)
     with torch.no_grad():
         for name, p in head.named_parameters():
             p.copy_(torch.randn(p.shape) * 0.1 + (1.0 if "norm" in name else 0.0))
@@ -171,7 +206,7 @@ def test_save_read_full_precision(tmp_path, with_lm_head):
             p.copy_(p.to(torch.bfloat16).float())
     save_head(head, tmp_path / "h", int8=False, with_lm_head=with_lm_head, extra={"note": "x"})
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["note"] == "x"
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["note"] == "x" and cfg["family"] == "eagle3"
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(LAYERS)
     back, has_lm_head = read_head(tmp_path / "h", target_config(qkv_bias=True))
     assert has_lm_head == with_lm_head
@@ -289,7 +324,7 @@ def test_error_d2t_out_of_range(tmp_path):
 
 # -- 4. training-time unroll == step-by-step inference ----------------------------------------------------------
 
-def chain_by_steps(head: EagleHead, feats, tokens, r: int, steps: int, wrong_at: int | None = None):
+def chain_by_steps(head: Eagle3Head, feats, tokens, r: int, steps: int, wrong_at: int | None = None):
     """Inference as the drafter runs it: prefill rows 0..r (fc(features), each with the token that follows), then
     the chain from row r, each step feeding its own output hidden and the next token. -> per step logits
     (step 0: every row 0..r [r+1, Vd]; step j > 0: row r's [1, Vd])."""
@@ -315,7 +350,7 @@ def test_unroll_matches_step_inference(r):
     feats = torch.randn(1, T, 2 * D, generator=g)
     tokens = torch.randint(0, V, (1, T), generator=g)
     with torch.no_grad():
-        unrolled = head.unroll(feats, tokens, steps)
+        unrolled = unroll(head, feats, tokens, steps)
     assert len(unrolled) == steps and unrolled[0].shape == (1, T, VD)
     ref = chain_by_steps(head, feats, tokens, r, steps)
     torch.testing.assert_close(ref[0], unrolled[0][0, :r + 1], rtol=1e-5, atol=1e-5)  # step 0, every row
@@ -335,8 +370,8 @@ def test_unroll_batch_rows_independent():
     g = torch.Generator().manual_seed(6)
     feats, tokens = torch.randn(2, 12, D, generator=g), torch.randint(0, V, (2, 12), generator=g)
     with torch.no_grad():
-        both = head.unroll(feats, tokens, 3)
+        both = unroll(head, feats, tokens, 3)
         for b in range(2):
-            alone = head.unroll(feats[b:b + 1], tokens[b:b + 1], 3)
+            alone = unroll(head, feats[b:b + 1], tokens[b:b + 1], 3)
             for j in range(3):
                 torch.testing.assert_close(alone[j][0], both[j][b], rtol=1e-5, atol=1e-5)

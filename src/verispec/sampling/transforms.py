@@ -1,8 +1,9 @@
-"""Logits -> probabilities (temperature, top-k, top-p), and drawing from them.
+"""The numerics of the built-in transforms: logits -> probabilities (temperature, top-k, top-p), the padding
+mask, and argmax.
 
-The ONLY place this transform exists: autoregressive decoding and the speculative verifier both
-call :func:`logits_to_probs`, so "the target's distribution" means the same thing everywhere.
-Order of filters as in transformers: temperature, then top-k, then top-p.
+The ONLY place these exist: autoregressive decoding, the drafters and the speculative verifier all reach them
+through a :class:`~verispec.sampling.processors.ProcessorChain`, so "the target's distribution" means the same
+thing everywhere. Order of filters as in transformers: temperature, then top-k, then top-p.
 """
 
 from __future__ import annotations
@@ -12,17 +13,17 @@ import functools
 import numpy as np
 import torch
 
-from .config import SamplingParams
+from ..config import SamplingParams
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [..., V] -> probabilities [..., V] (float32).
 
-    temperature 0 gives the one-hot of the argmax (first index on ties), so greedy decoding is a
-    special case of sampling and a verifier needs no separate greedy path.
+    Greedy params (temperature below SAMPLING_EPS, 0 included) give the one-hot of the argmax (first index on
+    ties), so greedy decoding is a special case of sampling and a verifier needs no separate greedy path.
     """
     logits = logits.float()
-    if params.temperature == 0:
+    if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, argmax(logits)[..., None], 1.0)
     logits = logits / params.temperature
     vocab = logits.shape[-1]
@@ -44,8 +45,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
 def mask_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Padding rows of the embedding (mask [V], True = not a real token) can never be chosen. The same result as
-    masked_fill, written only at the mask's positions: float32 rows of 151,936 logits, 1 / 5 rows: 23 / 79 us
-    against 130 / 744 (2-core Zen 4, torch 2.13)."""
+    masked_fill, written only at the mask's positions: several times faster on 151,936-logit rows
+    (docs/BENCHMARKS.md, "Draft step cost")."""
     return logits if mask is None else logits.index_fill(-1, _masked_ids(mask), float("-inf"))
 
 
@@ -56,34 +57,11 @@ def _masked_ids(mask: torch.Tensor) -> torch.Tensor:
     return mask.nonzero()[:, 0]
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """Draw one token per row. probs: [B, V] -> tokens [B] (int64)."""
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The largest logit's index per row, the first on ties: [..., V] -> [...] (int64), Tensor.argmax's result
-    (NaN counts as the largest, as there). Float32 CPU rows go through NumPy's vectorized argmax: [1, 151936]
-    13 us against 157 for torch.max and Tensor.argmax, [5, 151936] 57 against 427 (2-core Zen 4, torch 2.13).
-    Other rows take torch.max: on bf16 CPU rows 2.4x faster than Tensor.argmax (250 against 600 us)."""
+    (NaN counts as the largest, as there). Float32 CPU rows go through NumPy's vectorized argmax, faster than
+    torch.max and Tensor.argmax; other rows take torch.max, on bf16 CPU rows faster than Tensor.argmax
+    (docs/BENCHMARKS.md, "Draft step cost")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.as_tensor(np.asarray(logits.detach().numpy().argmax(-1), dtype=np.int64))
     return torch.max(logits, -1).indices
-
-
-def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """One decoding step's choice. logits: [B, V] -> tokens [B]."""
-    if params.greedy:
-        return argmax(logits)
-    return sample(logits_to_probs(logits, params), generator)
-
-
-def make_generator(params: SamplingParams, device) -> torch.Generator | None:
-    if params.greedy:
-        return None
-    g = torch.Generator(device=device)
-    if params.seed is None:
-        g.seed()
-    else:
-        g.manual_seed(params.seed)
-    return g

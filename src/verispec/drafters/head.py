@@ -1,4 +1,4 @@
-"""An EAGLE-3 head drafts from the target's own hidden states (models/eagle.py).
+"""A draft head (heads/: EAGLE-3 or any DraftHead) drafts from the target's own hidden states; method "eagle".
 
 The engine hands over the target's features of every committed position (``feature_layers`` asks for them; see
 DraftRequest.features). Each round the head first catches up on the committed positions it has not read (the
@@ -15,16 +15,16 @@ import time
 
 import torch
 
-from ..models.eagle import EagleHead
+from ..heads.base import DraftHead, to_target_vocab
 from ..models.kv_cache import KVCache
-from ..sampling import argmax, logits_to_probs, mask_logits
-from .base import Draft, DraftRequest
+from ..sampling import Prefix, ProcessorChain, draw, mask_logits
+from .base import Draft, Drafter, DraftRequest
 
 
-class EagleDrafter:
-    def __init__(self, head: EagleHead):
+class HeadDrafter(Drafter):
+    def __init__(self, head: DraftHead):
         self.head = head
-        self.feature_layers = head.config.layers  # the target residual streams the engine must hand over
+        self.feature_layers = head.feature_layers  # the target residual streams the engine must hand over
         self.cache: KVCache | None = None
         self.fed = 0  # committed rows in the head's cache: pairs (features at r, token at r + 1) for r < fed
         self.catch_up = (0, 0.0)  # (rows, seconds) of this round's catch-up
@@ -45,15 +45,15 @@ class EagleDrafter:
         self.cache.truncate(self.fed)
         rows = feats[self.fed:n][None].to(dtype)  # [1, T, F]
         tokens = torch.tensor([ctx[self.fed + 1:n + 1]], device=device)  # [1, T]
-        hidden = head.step(head.fc(rows), tokens, self.cache)[:, -1:]  # [1, 1, D]
+        hidden = head.catch_up(rows, tokens, self.cache)  # [1, 1, D]
         self.catch_up = (n - self.fed, time.perf_counter() - t0)
         self.fed = n
         # 2. draft: K tokens in a chain on the head's own hidden states
         tokens_out, probs_out = [], []
         for i in range(K):
             logits = self._target_logits(hidden, request)  # [1, V]
-            probs = None if request.params.greedy else logits_to_probs(logits, request.params)  # [1, V]
-            token = argmax(logits) if probs is None else torch.multinomial(probs, 1, generator=request.generator)[:, 0]
+            token, probs = draw(logits, Prefix(ctx, tokens_out), ProcessorChain.from_params(request.params),
+                                request.generator)  # [1], q [1, V] or None (greedy); logits already masked
             tokens_out.append(token)
             if probs is not None:
                 probs_out.append(probs)
@@ -66,9 +66,7 @@ class EagleDrafter:
         """The head's logits over its draft vocabulary [1, Vd] placed at their target ids: [1, V], -inf elsewhere."""
         with torch.inference_mode():
             draft = self.head.logits(hidden)[:, -1]  # [1, Vd]
-        full = draft.new_full((1, request.vocab_size), float("-inf"))
-        full[:, self.head.d2t] = draft
-        return mask_logits(full, request.logit_mask)
+        return mask_logits(to_target_vocab(draft, self.head.d2t, request.vocab_size), request.logit_mask)
 
     def update(self, num_accepted: int) -> None:
         pass  # the chain's rows are dropped at the next catch-up (truncate to the committed rows)

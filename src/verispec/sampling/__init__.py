@@ -1,0 +1,9 @@
+"""Logits -> tokens: per-row logits processors (processors.py), the built-in transforms' numerics
+(transforms.py) and drawing (draw.py)."""
+
+from .draw import draw, make_generator, next_token, sample
+from .processors import LogitsProcessor, PaddingMask, Prefix, ProcessorChain, row_prefixes
+from .transforms import argmax, logits_to_probs, mask_logits
+
+__all__ = ["LogitsProcessor", "PaddingMask", "Prefix", "ProcessorChain", "argmax", "draw", "logits_to_probs",
+           "make_generator", "mask_logits", "next_token", "row_prefixes", "sample"]

@@ -1,0 +1,128 @@
+"""Logits processors: each one is applied to ONE row's logits given that row's prefix, and a chain of them ends in
+the sampler's own transforms (temperature, top-k, top-p).
+
+A row's prefix is every token before the token the row chooses: the committed context, plus, in a verify pass,
+the drafts before the row (row i of a verify pass: context + x_1..x_{i-1}). A penalty, a logit bias or a grammar
+mask is a function of that prefix, so it must see the drafts: that is what keeps speculative decoding exact with
+any processor (spec/verify.py).
+
+The chain, in order (vLLM's and transformers' order: processors, then the warpers):
+
+1. the vocabulary padding mask (PaddingMask), then any extra processors, on the logits;
+2. temperature, top-k, softmax, top-p (``logits_to_probs``: top-p is a filter on probabilities, so it comes
+   after the softmax; greedy params give the one-hot argmax instead).
+
+Fast path: a processor that ignores the prefix says so with the class attribute ``prefix_independent = True``
+and is then called once on every row at once; the others are called row by row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import torch
+
+from ..config import SamplingParams
+from .transforms import logits_to_probs, mask_logits
+
+
+class LogitsProcessor(Protocol):
+    """``__call__(prefix, logits) -> logits``: one row's logits [V] given its prefix -> the processed row [V] (a new
+    tensor: never modify ``logits``, which may be the caller's). ``prefix`` is valid during the call only.
+
+    Subclass it to inherit the defaults. A processor with ``prefix_independent = True`` is instead called once with
+    every row, ``logits`` [..., V], and ``prefix`` None.
+    """
+
+    prefix_independent: ClassVar[bool] = False
+
+    def __call__(self, prefix: Sequence[int] | None, logits: torch.Tensor) -> torch.Tensor: ...
+
+
+class PaddingMask(LogitsProcessor):
+    """Rows of the embedding that are not real tokens (mask [V], True = padding) can never be chosen."""
+
+    prefix_independent = True
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask  # [V] bool
+
+    def __call__(self, prefix: Sequence[int] | None, logits: torch.Tensor) -> torch.Tensor:
+        return mask_logits(logits, self.mask)
+
+
+class Prefix(Sequence[int]):
+    """The token ids before one row, ``context + drafts``, as a read-only sequence that copies neither (a verify
+    pass has K + 1 of them over a context of any length). ``drafts``: ints, a 1-D tensor or one-element tensors,
+    read (a device sync) only when a processor looks at them."""
+
+    __slots__ = ("context", "drafts")
+
+    def __init__(self, context: Sequence[int], drafts: Sequence[int] | torch.Tensor = ()):
+        self.context, self.drafts = context, drafts
+
+    def __len__(self) -> int:
+        return len(self.context) + len(self.drafts)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"prefix index {i} out of range for length {n}")
+        i %= n
+        c = len(self.context)
+        return self.context[i] if i < c else int(self.drafts[i - c])
+
+
+def row_prefixes(contexts: Sequence[Sequence[int]], draft_tokens: torch.Tensor) -> list[Prefix]:
+    """The prefix of every verify row, batch-major: [B * (K + 1)], row (b, i) = contexts[b] + draft_tokens[b, :i]
+    for i = 0..K (draft_tokens [B, K]; contexts: B committed contexts, each the tokens before row 0)."""
+    B, K = draft_tokens.shape
+    if len(contexts) != B:
+        raise ValueError(f"{len(contexts)} contexts for {B} rows of drafts")
+    return [Prefix(contexts[b], draft_tokens[b, :i]) for b in range(B) for i in range(K + 1)]
+
+
+@dataclass(frozen=True, eq=False)
+class ProcessorChain:
+    """Logits -> probabilities for one request: ``processors`` in order, then ``logits_to_probs(., params)``."""
+
+    params: SamplingParams
+    processors: tuple[LogitsProcessor, ...] = ()
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, mask: torch.Tensor | None = None,
+                    extra: Sequence[LogitsProcessor] = ()) -> ProcessorChain:
+        """The padding mask (mask [V], True = padding; None: none), then ``extra``, then params' transforms."""
+        return cls(params, ((PaddingMask(mask),) if mask is not None else ()) + tuple(extra))
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
+
+    @property
+    def prefix_independent(self) -> bool:
+        """True when no processor reads the prefix: callers may then pass prefixes=None."""
+        return all(p.prefix_independent for p in self.processors)
+
+    def logits(self, prefixes: Sequence[Sequence[int]] | None, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] -> the processors' output [..., V] (the sampler's transforms not applied). prefixes: one
+        per row of logits, rows in row-major order of the leading dimensions; None for a prefix-independent chain."""
+        if prefixes is None and not self.prefix_independent:
+            raise ValueError("a processor of this chain reads the prefix: pass one prefix per row")
+        for proc in self.processors:
+            if proc.prefix_independent:
+                logits = proc(None, logits)
+                continue
+            rows = logits.reshape(-1, logits.shape[-1])  # [R, V]
+            if len(prefixes) != len(rows):
+                raise ValueError(f"{len(prefixes)} prefixes for {len(rows)} rows of logits")
+            logits = torch.stack([proc(prefix, row) for prefix, row in zip(prefixes, rows)]).view(logits.shape)
+        return logits
+
+    def probs(self, prefixes: Sequence[Sequence[int]] | None, logits: torch.Tensor) -> torch.Tensor:
+        """logits [..., V] -> probabilities [..., V] float32 (greedy: the one-hot of the processed argmax)."""
+        return logits_to_probs(self.logits(prefixes, logits), self.params)
