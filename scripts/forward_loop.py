@@ -46,7 +46,9 @@ def loop(args) -> None:
     cache = KVCache.for_model(model.config, 1, ctx + t, model.dtype)
     ids = torch.randint(0, model.config.vocab_size, (1, ctx + t), generator=torch.Generator().manual_seed(0))
     model(ids[:, :ctx], torch.arange(ctx)[None], cache, num_logits=1)
-    gc.disable()  # as LLM's decoding loop does: Python's cycle collector took ~4% of a profile here otherwise
+    # as LLM's decoding loop does: else Python's cycle collector shows in the profile (docs/BENCHMARKS.md,
+    # "Draft step cost")
+    gc.disable()
     pos, n, t0 = torch.arange(ctx, ctx + t)[None], 0, time.perf_counter()
     while time.perf_counter() - t0 < args.seconds:
         cache.truncate(ctx)
