@@ -149,3 +149,27 @@ def test_outputs_stay_the_targets_and_live_caches_are_never_shared(llm, first_fe
     assert [length for length, _ in first_feeds].count(0) == 1
     for p in (A, B):  # the next requests still match the target's outputs
         assert llm.generate(p, GREEDY, method="draft").text == ar[tuple(p)]
+
+
+def test_a_put_from_another_thread_during_take_never_pairs_one_cache_with_anothers_count(llm, monkeypatch):
+    """``put`` runs in a finalizer, possibly on the server's event-loop thread, while the engine thread is in ``take``.
+    Simulated by a put landing while take compares prefixes: take must hand over the cache it compared (with its
+    count) and leave the new one in the store, never the new cache cut to the old one's count."""
+    from verispec.models import kv_cache
+
+    model = llm.draft_model().model
+    old, new = (KVCache.for_model(model.config, 1, 32, torch.float32) for _ in range(2))
+    old.length, new.length = len(A), 3
+    store = PrefixCache()
+    store.put(model, old, list(A))
+    real = kv_cache.common_prefix
+
+    def racing(a, b):
+        monkeypatch.setattr(kv_cache, "common_prefix", real)  # once
+        store.put(model, new, list(B[:3]))  # another request's drafter is dropped right now
+        return real(a, b)
+
+    monkeypatch.setattr(kv_cache, "common_prefix", racing)
+    got = store.take(model, A + [1], 32, torch.float32, "cpu")
+    assert got is old and got.length == len(A)
+    assert store.entry is not None and store.entry[1] is new and new.length == 3
