@@ -237,15 +237,15 @@ def cpu_variant_verify(bug):
     import torch
 
     from exact_helpers import variant_verify
-    from verispec.verify import Verdict
+    from verispec.spec.verify import Verdict
 
     inner = variant_verify(bug)
     gen = torch.Generator().manual_seed(12345)
 
-    def verify(target_logits, draft_tokens, draft_probs, params, generator):
+    def verify(target_logits, draft_tokens, draft_probs, chain, generator, contexts=None):
         dev = target_logits.device
         v = inner(target_logits.cpu(), draft_tokens.cpu(), None if draft_probs is None else draft_probs.cpu(),
-                  params, gen)
+                  chain, gen, contexts)
         return Verdict(v.tokens.to(dev), v.num_accepted.to(dev))
 
     return verify
@@ -254,7 +254,7 @@ def cpu_variant_verify(bug):
 def check_chi_square(name, device, root, small):
     from exact_helpers import ALPHA, chi2_pvalue
     from tiny import make_hf_model
-    import verispec.decoding
+    import verispec.engine.engine as engine_module
     from verispec import LLM, SamplingParams
 
     target = make_hf_model("qwen2", 1, **TINY16)
@@ -275,13 +275,13 @@ def check_chi_square(name, device, root, small):
            f"(test bounds 0.35..0.75), {1e3 * secs / done:.1f} ms/generate", **data)
 
     # negative control: a verifier that accepts every draft must be rejected by the same statistic
-    saved = verispec.decoding.verify
-    verispec.decoding.verify = cpu_variant_verify("always_accept")
+    saved = engine_module.verify
+    engine_module.verify = cpu_variant_verify("always_accept")
     try:
         n, budget = (300, 60) if small else (2000, 20)
         counts, acceptance, done, secs = draw16(llm, 2, params, n, budget, first_seed=10_000)
     finally:
-        verispec.decoding.verify = saved
+        engine_module.verify = saved
     p3, p2 = chi2_pvalue(counts, joint), chi2_pvalue(counts.sum(2), joint.sum(2))
     rejected = p3 < ALPHA or p2 < ALPHA
     record(name + "/negative_control", "PASS" if rejected else "FAIL",
