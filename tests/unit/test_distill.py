@@ -84,3 +84,8 @@ def test_distill_command_refuses_bad_input(tmp_path, capsys):
     assert "no records" in capsys.readouterr().err
     assert main(["distill", "--out", str(tmp_path / "x.jsonl"), "--tokens", "0"]) == 2
     assert "--tokens must be >= 1" in capsys.readouterr().err
+    assert main(["distill", "--out", str(tmp_path / "x.jsonl"), "--threads", "0"]) == 2
+    assert "--threads must be >= 1" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["distill", "--out", str(tmp_path / "file" / "x.jsonl")]) == 2
+    assert "not writable" in capsys.readouterr().err

@@ -60,11 +60,11 @@ class DraftModelDrafter(Drafter):
         if self.early_stop and self.calibration is None:
             p = request.params
             self.calibration = self.calibrations.setdefault((p.temperature, p.top_k, p.top_p), Calibration())
+        chain = ProcessorChain.from_params(request.params)  # logits come masked: params' transforms only
         for i in range(K):
             t0, fed = time.perf_counter(), tokens.shape[1]
             logits = fit_vocab(self._forward(tokens), request.vocab_size, request.logit_mask)  # [1, V]
-            token, probs = draw(logits, Prefix(ctx, tokens_out), ProcessorChain.from_params(request.params),
-                                request.generator)  # [1], q [1, V] or None (greedy); logits already masked
+            token, probs = draw(logits, Prefix(ctx, tokens_out), chain, request.generator)  # [1], q [1, V] or None
             tokens_out.append(token)
             if probs is not None:
                 probs_out.append(probs)

@@ -50,10 +50,10 @@ class HeadDrafter(Drafter):
         self.fed = n
         # 2. draft: K tokens in a chain on the head's own hidden states
         tokens_out, probs_out = [], []
+        chain = ProcessorChain.from_params(request.params)  # logits come masked: params' transforms only
         for i in range(K):
             logits = self._target_logits(hidden, request)  # [1, V]
-            token, probs = draw(logits, Prefix(ctx, tokens_out), ProcessorChain.from_params(request.params),
-                                request.generator)  # [1], q [1, V] or None (greedy); logits already masked
+            token, probs = draw(logits, Prefix(ctx, tokens_out), chain, request.generator)  # [1], q [1, V] or None
             tokens_out.append(token)
             if probs is not None:
                 probs_out.append(probs)

@@ -197,6 +197,13 @@ def run_distill(args) -> int:
         m = pack(out)
         print(f"packed {m['records']} records, {m['answer_tokens']} answer tokens", file=sys.stderr)
         return 0
+    if args.threads is not None and args.threads < 1:
+        raise VerispecError(f"--threads must be >= 1, got {args.threads}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.open("a").close()
+    except OSError as e:
+        raise VerispecError(f"--out {out}: not writable ({e.strerror or e})") from None
     for name in ("tokens", "concurrency", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise VerispecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
