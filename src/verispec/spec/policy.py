@@ -213,7 +213,7 @@ class SpecPolicy:
         catch_up = catch_up or {}
         first_cost = {rid: share for rid, (_, share) in catch_up.items()}
         k = self._allot(wanted, base_rows, first_cost, seqs)
-        bar = seqs / self._plain_seconds(seqs)  # tokens per second of a plain step of them all
+        bar = seqs / max(self._plain_seconds(seqs), 1e-9)  # tokens per second of a plain step of them all
         for rid, cap in wanted.items():  # back-off retries for requests left without drafts, if a retry is cheap
             steps, wait = self.idle.get(rid, (0, NO_SPEC_RETRY))
             if k[rid]:
@@ -231,7 +231,8 @@ class SpecPolicy:
         seconds, share = catch_up
         if seconds * bar > RETRY_MAX_CATCH_UP:
             return False
-        return 1.0 / (self._draft_cost(self.controller(rid, cap), base_rows) + share) > bar
+        cost = self._draft_cost(self.controller(rid, cap), base_rows) + share
+        return cost <= 0 or 1.0 / cost > bar  # a draft that costs nothing measurable always pays
 
     def _allot(self, wanted: dict[int, int], base_rows: int, first_cost: dict[int, float] | None = None,
                seqs: int | None = None) -> dict[int, int]:
@@ -254,7 +255,7 @@ class SpecPolicy:
                 rate = gain / cost if cost > 0 else float("inf")
                 if rate > best_rate:
                     best, best_rate = rid, rate
-            if best is None or best_rate <= SPEC_MARGIN * tokens / seconds:  # one more draft would not raise the
+            if best is None or best_rate <= SPEC_MARGIN * tokens / max(seconds, 1e-9):  # one more draft would not raise the
                 return k  # step's tokens per second by the margin auto asks of a drafter (estimates run optimistic)
             ctl = self.controllers[best]
             tokens += joint(ctl.rates()[:k[best] + 1])[-1]
