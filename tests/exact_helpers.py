@@ -139,14 +139,16 @@ def varied_stop(period: int):
     """A draft-side early-stop rule for ``DraftModelDrafter.stop_now``: ends a round at about one position in
     ``period``, chosen by the draft's confidence digits, so rounds end at varied lengths (the real rule decides
     from timings, which a test cannot script). Any draft-side rule must leave the output exact. Its
-    ``decisions`` list records every call's answer."""
+    ``decisions`` list records every call's answer, ``t_drafts`` the draft cost it was given."""
 
-    def stop_now(self, confidences, request) -> bool:
+    def stop_now(self, confidences, t_draft, request) -> bool:
         stop = int(confidences[-1] * 1e7) % period == 0
         stop_now.decisions.append(stop)
+        stop_now.t_drafts.append(t_draft)
         return stop
 
     stop_now.decisions = []  # every decision, so a test can check that rounds both ended early and went on
+    stop_now.t_drafts = []  # the draft cost each call was given (the store's, None before one was measured)
     return stop_now
 
 

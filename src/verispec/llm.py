@@ -21,6 +21,7 @@ from .heads import DraftHead, load_head
 from .models.kv_cache import PrefixCache
 from .models.loader import LoadedModel, auto_dtype, load
 from .models.registry import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
+from .spec.costs import Costs
 from .frontend import fit_context
 from .stopping import StopChecker
 from .tokenizer import Codec
@@ -78,7 +79,8 @@ class LLM:
         self.draft: LoadedModel | None = None
         self.draft_calibrations: dict = {}  # the draft model's confidence -> acceptance, per sampling setting
         self.draft_prefixes = PrefixCache()  # the draft's KV cache from the last request (drafters/draft_model.py)
-        self.auto_memory: dict = {}  # what method auto measured (costs, acceptance), for the next request
+        self.auto_memory: dict = {}  # what method auto learned of acceptance, for the next request
+        self.costs = Costs()  # what the engine measured (spec/costs.py): kept when the engine is rebuilt
         self._engine: Engine | None = None  # built on first use (_engine_for)
         if draft:
             self.draft_model()
@@ -129,7 +131,7 @@ class LLM:
         other = copy.copy(self)
         other.engine_config = dataclasses.replace(self.engine_config, draft_quant=draft_quant)
         other.draft, other.draft_calibrations, other.draft_prefixes = None, {}, PrefixCache()
-        other.auto_memory = {}
+        other.auto_memory, other.costs, other._engine = {}, Costs(), None  # its draft's costs are its own
         return other
 
     @property
@@ -199,7 +201,7 @@ class LLM:
         chunk = -(-self.target.config.max_position_embeddings // BLOCK_SIZE) * BLOCK_SIZE
         make = lambda n: Engine(self.target.model, n, BLOCK_SIZE, max_num_seqs=1,  # noqa: E731
                                 max_num_batched_tokens=chunk, chunk_size=chunk, logit_mask=self.logit_mask,
-                                eos_token_ids=self.eos_token_ids, prefix_reuse=False)
+                                eos_token_ids=self.eos_token_ids, prefix_reuse=False, costs=self.costs)
         if self._engine is not None and self._engine.requests:
             return make(blocks)
         self._engine = None  # free the old cache first
@@ -235,6 +237,8 @@ class LLM:
                     req.stats.wall_s = time.perf_counter() - t0
                     yield stopper
                 elif req.finished:
+                    if req.error is not None:
+                        raise req.error
                     break
                 else:
                     engine.step()  # advances whichever request runs: this one, or a stream pulled before it

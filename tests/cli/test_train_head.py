@@ -115,6 +115,32 @@ def test_training_raises_heldout_acceptance(target, corpus, features, tmp_path, 
     assert (head.fc.weight - fc).abs().max() <= fc.abs().amax() / 127  # int8 file of the checkpoint's weights
 
 
+def test_init_from_a_trained_head_continues_to_lower_its_heldout_loss(target, corpus, features, tmp_path, capsys):
+    """Continual training (--init HEAD_DIR): the head read back (int8 file) starts where it ended and trains on;
+    its family, layers and draft vocabulary are the head's. A wrong --init is one line, exit 2."""
+    assert main(args(target, corpus, tmp_path / "a", features, 50)) == 0
+    before = history(tmp_path / "a")[-1]
+    assert main(args(target, corpus, tmp_path / "b", features, 100, "--init", str(tmp_path / "a"))) == 0
+    h = history(tmp_path / "b")
+    assert h[-1]["heldout_loss"] < before["heldout_loss"], (before, h)
+    # one step (a warm-up learning rate: nearly no change) starts where "a" ended, far from a fresh head
+    assert main(args(target, corpus, tmp_path / "one", features, 1)) == 0
+    assert main(args(target, corpus, tmp_path / "a1", features, 1, "--init", str(tmp_path / "a"))) == 0
+    fresh, (cont,) = history(tmp_path / "one")[-1], history(tmp_path / "a1")
+    assert abs(cont["heldout_loss"] - before["heldout_loss"]) < 0.05 * abs(before["heldout_loss"]), (cont, before)
+    assert fresh["heldout_loss"] > before["heldout_loss"] + 1.0, (fresh, before)  # 10.4 against 7.9
+    a_cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    b_cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert (b_cfg["family"], b_cfg["draft_vocab_size"]) == (a_cfg["family"], a_cfg["draft_vocab_size"])
+    capsys.readouterr()
+    assert main(args(target, corpus, tmp_path / "c", features, 1, "--init", str(tmp_path / "nowhere"))) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--init" in err and "nowhere" in err and len(err.splitlines()) == 1
+    assert main(args(target, corpus, tmp_path / "c", features, 1, "--init", str(tmp_path / "a"),
+                     "--layers", "1")) == 2
+    assert "reads layers" in capsys.readouterr().err
+
+
 # -- 6. --resume continues bit for bit -------------------------------------------------------------------------
 
 def assert_same_training(a: dict, b: dict) -> None:

@@ -17,7 +17,9 @@ import pytest
 from exact_helpers import varied_stop
 from tiny import make_hf_dir
 from verispec import LLM, SamplingParams
+from verispec.spec.costs import Costs
 from verispec.spec.policy import Calibration
+from verispec.drafters.base import DraftRequest
 from verispec.drafters.draft_model import DraftModelDrafter
 
 KS = [2, 4, 8]
@@ -118,14 +120,34 @@ def test_the_cost_model_rule_waits_for_measurements(llms):
     """No verify time or draft step measured yet: the round drafts K. Then the rule weighs the calibrated chances."""
     d = DraftModelDrafter(llms["qwen2", "same"].draft.model)
     d.calibration = Calibration()  # uncorrected yet: chance = confidence (bin centres)
-    request = SimpleNamespace(verify_s={})
-    assert not d.stop_now([0.01], request)
-    d.t_draft = 1.0
-    assert not d.stop_now([0.01], request)
-    request.verify_s = {2: 0.01}
-    assert d.stop_now([0.01], request)  # a hesitant draft whose steps cost 100 verify passes: stop
-    d.t_draft = 1e-6
-    assert not d.stop_now([0.999], request)
+    request = SimpleNamespace(costs=Costs(), params=SamplingParams())
+    assert not d.stop_now([0.01], None, request)
+    assert not d.stop_now([0.01], 1.0, request)  # a draft step measured, no round yet
+    assert not d.stop_now([0.01], 1.0, SimpleNamespace(costs=None, params=SamplingParams()))  # no store at all
+    request.costs.observe_round(2, 0.01)
+    assert d.stop_now([0.01], 1.0, request)  # a hesitant draft whose steps cost 100 verify passes: stop
+    assert not d.stop_now([0.999], 1e-6, request)
+    # a seeded sample is never stopped by timings (its seed must give one text); unseeded or greedy may be
+    for params, stops in ((SamplingParams(temperature=0.8, seed=3), False), (SamplingParams(temperature=0.8), True),
+                          (SamplingParams(seed=3), True)):
+        assert d.stop_now([0.01], 1.0, SimpleNamespace(costs=request.costs, params=params)) is stops, params
+
+
+def test_the_draft_model_weighs_its_own_cost_in_the_store(llms, monkeypatch):
+    """stop_now is handed the store's seconds per draft step of the draft model ("draft"), not another drafter's;
+    with no store, None."""
+    stop = varied_stop(3)
+    monkeypatch.setattr(DraftModelDrafter, "stop_now", stop)
+    llm = llms["qwen2", "same"]
+    costs = Costs()
+    costs.draft.update({"draft": 0.125, "auto": 9.0, "ngram": 7.0})
+    ctx = list(b"Hello, world")
+    for store, want in ((costs, 0.125), (None, None)):
+        d = DraftModelDrafter(llm.draft.model)
+        stop.t_drafts.clear()
+        d.propose(DraftRequest(ctx, 4, SamplingParams(), None, len(ctx) + 8, llm.target.config.vocab_size,
+                               llm.logit_mask, costs=store))
+        assert stop.t_drafts and set(stop.t_drafts) == {want}
 
 
 def test_calibration_learns_from_verdicts_and_persists_across_requests(llms):

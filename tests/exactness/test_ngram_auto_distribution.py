@@ -20,6 +20,7 @@ from exact_helpers import ALPHA, chi2_pvalue, variant_verify
 import test_speculative_distribution as base
 from test_speculative_distribution import N, N_NEG, PROMPT, V, exact_joint, make_llm
 from verispec import SamplingParams
+from verispec.spec.costs import Costs
 
 CASES = {  # name: (method, draft model, K, SamplingParams fields, speculative options)
     "ngram-T1-K2": ("ngram", "near", 2, dict(temperature=1.0), {}),
@@ -50,14 +51,24 @@ def draw(llm, method: str, K: int, params: SamplingParams, n: int, opts: dict, f
     return counts, drafted / n, accepted / max(drafted, 1), used
 
 
-def try_short_matches(monkeypatch):
+def try_short_matches(monkeypatch, llm):
     """``auto`` tries untried n-gram matches of any length: this prompt's are 1-2 tokens, and beside a draft
     model auto would otherwise never take them (drafters/auto.py, TRY_MIN_MATCH); rounds must mix drafters. And
     it drafts whenever a drafter is worth anything: on these table models a draft step costs as much as a target
     step, so auto would rightly settle on plain decoding (its estimates carry over from draw to draw) and leave
-    the verifier nothing to judge."""
+    the verifier nothing to judge. The costs it reads are pinned at what these models cost (a flat verify, a free
+    n-gram lookup, a draft step as dear as a target step), so that the choices (which drafter, how long a draft)
+    do not follow the machine's load: the n-gram drafts where it matches, the draft model where it does not."""
     monkeypatch.setattr(verispec.drafters.auto, "TRY_MIN_MATCH", 1)
     monkeypatch.setattr(verispec.drafters.auto, "SPEC_MARGIN", 0.0)
+    for name in ("observe_forward", "observe_round", "observe_draft", "observe_catch_up"):
+        monkeypatch.setattr(Costs, name, lambda *a: None)
+    costs = llm.costs
+    for table in (costs.forward, costs.round, costs.draft, costs.catch_up):
+        table.clear()
+    costs.forward.update({T: 1.0 for T in range(1, 64)})
+    costs.round.update({T: 1.0 for T in range(1, 8)})
+    costs.draft.update({"ngram": 0.0, "draft": 1.0, "auto": 0.5})
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +80,7 @@ def table_llms(model_dirs, tables):
 def test_sampling_matches_exact_distribution(table_llms, tables, monkeypatch, name):
     method, draft, K, kw, opts = CASES[name]
     params = SamplingParams(**kw)
-    try_short_matches(monkeypatch)
+    try_short_matches(monkeypatch, table_llms[CASES[name][1]])
     counts, drafted_per_run, acceptance, used = draw(table_llms[draft], method, K, params, N, opts)
     assert drafted_per_run > 1.0, f"{name}: too few drafts ({drafted_per_run:.2f} per run) to test anything"
     assert 0.01 < acceptance < 0.98, f"{name}: acceptance {acceptance:.3f}"  # >= ~400 accepted drafts
@@ -84,7 +95,7 @@ def test_sampling_matches_exact_distribution(table_llms, tables, monkeypatch, na
 def test_negative_control_broken_verifier_fails(table_llms, tables, monkeypatch, name, bug):
     method, draft, K, kw, opts = CASES[name]
     params = SamplingParams(**kw)
-    try_short_matches(monkeypatch)
+    try_short_matches(monkeypatch, table_llms[CASES[name][1]])
     monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify(bug))
     counts, *_ = draw(table_llms[draft], method, K, params, N_NEG, opts)
     p = chi2_pvalue(counts, exact_joint(tables, params))

@@ -2,7 +2,7 @@
 
 import pytest
 
-from verispec.spec.costs import expected_tokens as expected_tokens_per_round, interpolate as verify_seconds
+from verispec.spec.costs import Costs, expected_tokens as expected_tokens_per_round, interpolate as verify_seconds
 from verispec.spec.policy import Calibration, DraftLengthController, worth_another_draft
 
 
@@ -11,7 +11,7 @@ def trained(rates, t_draft, t_verify, k_max=8, k_min=1, rounds=200):
     c = DraftLengthController(k_min, k_max, decay=0.0)  # decay 0: the last observation is the estimate
     c.acceptance = list(rates) + [None] * (k_max - len(rates))
     c.t_draft = t_draft
-    c.t_verify = dict(t_verify)
+    c.costs.round.update(t_verify)
     return c
 
 
@@ -45,28 +45,44 @@ def test_bounds_and_cap():
 
 
 def test_first_round_drafts_the_most_then_learns():
-    c = DraftLengthController(1, 6)
+    costs = Costs()  # the engine's store: the controller learns acceptance, the engine times the rounds
+    c = DraftLengthController(1, 6, costs=costs, name="draft")
     assert c.choose(6) == 6  # nothing measured yet
+
+    def play(accepted, draft_s_per_token):
+        K = c.choose(6)
+        c.observe(K, accepted(K))
+        costs.observe_draft("draft", K, draft_s_per_token * K)  # what the engine writes for the round
+        costs.observe_round(K + 1, 0.08)
+
     for _ in range(30):  # every draft rejected at position 1, drafting is expensive
-        c.observe(c.choose(6), 0, draft_s=0.02 * c.choose(6), verify_s=0.08)
+        play(lambda K: 0, 0.02)
     assert c.choose(6) == 1 and c.rates()[0] < 0.05
     for _ in range(60):  # now everything is accepted
-        K = c.choose(6)
-        c.observe(K, K, draft_s=0.001 * K, verify_s=0.08)
+        play(lambda K: K, 0.001)
     assert c.choose(6) == 6
 
 
 def test_unjudged_positions_take_the_last_judged_estimate():
-    c = DraftLengthController(1, 4, prior_acceptance=0.5)
-    assert c.rates() == [0.5] * 4
-    c.observe(2, 1, 0.01, 0.1)  # position 1 accepted, position 2 rejected: each moves from the prior (EMA 0.8)
+    costs = Costs()
+    c = DraftLengthController(1, 4, prior_acceptance=0.5, costs=costs, name="draft")
+    assert c.rates() == [0.5] * 4 and c.rounds == 0
+    c.observe(2, 1)  # position 1 accepted, position 2 rejected: each moves from the prior (EMA 0.8)
     assert c.rates() == pytest.approx([0.6, 0.4, 0.4, 0.4])
-    assert c.t_draft == pytest.approx(0.005) and c.t_verify == {3: 0.1}
+    assert c.rounds == 1  # a record of its own now
+    c.observe(0, 0)  # a round that drafted nothing judges nothing
+    assert c.rounds == 1 and c.rates() == pytest.approx([0.6, 0.4, 0.4, 0.4])
+    # the controller writes no cost: it reads its drafter's in the store the engine fills
+    assert c.t_draft is None and c.t_verify == {} and costs.draft == {} and costs.round == {}
+    costs.observe_draft("draft", 2, 0.01)
+    costs.observe_draft("ngram", 2, 1.0)  # another drafter's cost is not this one's
+    costs.observe_round(3, 0.1)
+    assert c.t_draft == pytest.approx(0.005) and c.t_verify == {3: 0.1} and c.t_verify is costs.round
 
 
 def test_verify_time_between_measured_sizes():
     c = DraftLengthController(1, 8)
-    c.t_verify = {2: 0.1}
+    c.costs.round[2] = 0.1
     assert c.verify_seconds(2) == 0.1
     assert c.verify_seconds(5) == pytest.approx(0.1 * (1 + 0.03 * 4) / 1.03)
 

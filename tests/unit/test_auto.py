@@ -1,17 +1,16 @@
 """``auto``'s choice against scripted drafters: per-match-length estimates for n-gram lookup, the draft
-model's catch-up cost spread over the rounds left, the bookkeeping of what each round cost, and no
-speculation (a plain target step) against drafting, timed with a fake clock."""
+model's catch-up cost spread over the rounds left, what auto learns (acceptance) and reads (the costs in the
+request's store, which the engine fills: emulated here, the engine's own bookkeeping is tested in
+test_engine_speculation.py), and no speculation (a plain target step) against drafting."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-import verispec.drafters.auto
 from verispec.config import SamplingParams
 from verispec.drafters.auto import AutoDrafter
+from verispec.spec.costs import Costs
 from verispec.spec.policy import NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, SPEC_MARGIN
 from verispec.drafters.base import Draft, Drafter, DraftRequest
 
@@ -50,9 +49,15 @@ class Model(Drafter):
         self.updates.append(n)
 
 
-def request(context_len=100, new_left=200, K=4, params=SamplingParams()):
+def request(context_len=100, new_left=200, K=4, params=SamplingParams(), costs=None):
+    """costs: the engine's store (None: auto reads its own, as before its first request from an engine)."""
     ctx = list(range(context_len))
-    return DraftRequest(ctx, K, params, None, context_len + new_left + K + 1, 1000, None)
+    return DraftRequest(ctx, K, params, None, context_len + new_left + K + 1, 1000, None, costs=costs)
+
+
+def train(ctl, acceptance, t_draft, rounds=10):
+    """A controller with a record of its own (``rounds`` judged) and its drafter's cost in the store it reads."""
+    ctl.acceptance, ctl.t_draft, ctl.rounds = list(acceptance), t_draft, rounds
 
 
 def trained_auto(k_max=4):
@@ -60,10 +65,8 @@ def trained_auto(k_max=4):
     auto = AutoDrafter({"ngram": lookup, "draft": model}, 1, k_max)
     auto.t_verify.update({T: 0.05 for T in range(1, k_max + 2)})  # one target step: 50 ms, flat verify
     for match, rate in ((1, 0.1), (4, 0.95)):
-        ctl = auto.controller("ngram", match)
-        ctl.acceptance, ctl.t_draft = [rate] * k_max, 0.0
-    ctl = auto.controller("draft")
-    ctl.acceptance, ctl.t_draft = [0.7] * k_max, 0.012
+        train(auto.controller("ngram", match), [rate] * k_max, 0.0)
+    train(auto.controller("draft"), [0.7] * k_max, 0.012)
     return auto, lookup, model
 
 
@@ -76,15 +79,14 @@ def test_a_long_match_goes_to_ngram_a_short_one_to_the_draft_model():
     assert lookup.updates == [4]
     lookup.last_match = 1  # the same continuation, found from a 1-token match: rarely right
     draft = auto.propose(request())
-    assert draft.source == "draft" and model.proposed == [4]
+    assert draft.source == "draft" and model.proposed == [auto.controller("draft").choose(4)]
     auto.update(2)
     assert model.updates == [2] and lookup.updates == [4]  # only the chosen drafter learns
 
 
 def test_ngram_drafts_are_cut_to_the_length_their_match_supports():
     auto, lookup, _ = trained_auto(k_max=8)
-    ctl = auto.controller("ngram", 3)
-    ctl.acceptance, ctl.t_draft = [0.9, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05], 0.0
+    train(auto.controller("ngram", 3), [0.9, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05], 0.0)
     auto.t_verify.update({T: 0.05 * (1 + 0.1 * (T - 1)) for T in range(1, 10)})  # longer verify costs more
     auto.controller("draft").acceptance = [0.01] * 8
     lookup.tokens, lookup.last_match = list(range(1, 9)), 3
@@ -97,13 +99,15 @@ def test_a_long_catch_up_counts_against_the_draft_model_less_when_many_tokens_re
     auto, lookup, model = trained_auto()
     lookup.tokens, lookup.last_match = [1, 2, 3, 4], 1  # a mediocre n-gram option is on the table
     auto.controller("ngram", 1).acceptance = [0.2] * 4
-    auto.t_catch_up["draft", True] = 0.002  # 2 ms per token of a long catch-up
+    auto.costs.catch_up["draft", True] = 0.002  # 2 ms per token of a long catch-up (the engine measured it)
     model.behind = 400  # the draft model never ran: it would first prefill 400 tokens (0.8 s)
     # 8 tokens left: 0.8 s is not worth it; 2000 left: the prefill pays back over the rounds to come
     assert auto.propose(request(new_left=new_left)).source == chosen
 
 
-def test_catch_up_time_is_learned_per_token_and_kept_out_of_the_draft_cost():
+def test_the_delegate_catch_up_is_handed_to_the_engine_and_auto_writes_no_cost():
+    """The engine learns catch-up per token and keeps it out of the draft cost (test_engine_speculation.py): it
+    reads it from auto.catch_up, the chosen delegate's of this round. auto itself writes nothing to the store."""
     auto, lookup, model = trained_auto()
     model.behind = 1
 
@@ -112,33 +116,53 @@ def test_catch_up_time_is_learned_per_token_and_kept_out_of_the_draft_cost():
         return Draft(torch.full((1, request.num_tokens), 7, dtype=torch.long))
 
     model.propose = long_propose
-    auto.propose(request())
+    costs = auto.costs
+    before = (dict(costs.forward), dict(costs.round), dict(costs.draft), dict(costs.catch_up))
+    assert auto.propose(request(costs=costs)).source == "draft"
+    assert auto.catch_up == (300, 0.6)
     auto.update(3)
-    assert auto.t_catch_up["draft", True] == 0.002
-    assert auto.controller("draft").t_draft < 0.05  # 0.6 s of catch-up not billed as drafting
+    assert (costs.forward, costs.round, costs.draft, costs.catch_up) == before
+    lookup.tokens, lookup.last_match = [1, 2, 3, 4], 4  # a round of the cheap drafter: no catch-up to report
+    assert auto.propose(request(costs=costs)).source == "ngram" and auto.catch_up == (0, 0.0)
 
 
-def test_what_auto_measured_carries_over_to_the_next_request_with_the_same_sampling():
-    memory = {}
+def test_auto_reads_the_store_of_the_request():
+    """Until a request brings the engine's store auto reads its own; then the engine's, for every controller."""
+    auto, lookup, model = trained_auto()
+    assert auto.propose(request()).source == "draft"  # its own store: K=4, 2.77 tokens in 98 ms beat 20/s
+    auto.update(2)
+    engine = Costs()  # the engine measured a plain step at 1 ms: no drafter beats that
+    engine.round.update({1: 0.001} | {T: 0.05 for T in range(2, 6)})
+    engine.draft["draft"] = 0.012
+    assert auto.propose(request(costs=engine)).tokens.shape[1] == 0
+    assert auto.costs is engine and auto.t_verify is engine.round and auto.controller("draft").costs is engine
+    assert auto.controller("draft").t_draft == 0.012 and auto.no_spec_value() == pytest.approx(1000.0)
+
+
+def test_what_auto_learned_carries_over_to_the_next_request_with_the_same_sampling():
+    memory, costs = {}, Costs()
     first = AutoDrafter({"draft": Model()}, 1, 4, memory=memory)
-    first.propose(request())
+    first.propose(request(costs=costs))
     first.update(2)
-    assert first.t_verify and first.controller("draft").t_draft is not None
+    assert first.controller("draft").rounds == 1
+    again = Costs()  # the next request may bring another engine's store (an LLM copy's): that one is read
     second = AutoDrafter({"draft": Model()}, 1, 4, memory=memory)
-    second.propose(request())  # its first round continues from the first request's estimates
-    assert second.controllers is first.controllers and second.t_verify is first.t_verify
+    second.propose(request(costs=again))  # its first round continues from the first request's estimates
+    assert second.controllers is first.controllers and second.controller("draft").rounds == 1
+    assert second.costs is again and second.controller("draft").costs is again
     sampled = AutoDrafter({"draft": Model()}, 1, 4, memory=memory)
-    sampled.propose(request(params=SamplingParams(temperature=0.7)))  # another sampling setting: its own record
-    assert sampled.controllers is not first.controllers and not sampled.t_verify
+    sampled.propose(request(params=SamplingParams(temperature=0.7), costs=costs))  # another sampling setting:
+    assert sampled.controllers is not first.controllers  # its own record of acceptance
+    assert sampled.controller("draft").rounds == 0 and sampled.t_verify is costs.round  # the costs are shared
     assert len(memory) == 2
 
 
-def test_one_bad_first_round_lowers_a_drafter_it_does_not_switch_it_off(clock):
-    auto, model = slow_auto(clock, acceptance=0.95)
+def test_one_bad_first_round_lowers_a_drafter_it_does_not_switch_it_off():
+    auto, model = slow_auto(acceptance=0.95)
     ctl = auto.controller("draft")
     ctl.acceptance = [None] * 4  # nothing judged yet: the prior, 0.6
     auto.t_verify[1] = 0.05
-    play(auto, clock, 1)  # all rejected
+    assert play(auto, 1) == "D"  # all rejected
     assert ctl.rates() == pytest.approx([0.48] * 4)
 
 
@@ -157,7 +181,8 @@ def test_first_round_tries_a_long_match_but_not_a_short_one():
     lookup.tokens, lookup.last_match = [5, 6, 7], 3
     assert auto.propose(request()).source == "ngram"  # no costs measured yet: a long match is free to try
     auto.update(0)
-    assert auto.t_verify  # the round measured the target's verify cost for everyone
+    assert auto.controller("ngram", 3).rounds == 1  # a record of its own
+    auto.costs.observe_round(4, 0.05)  # the engine timed the round (T = 3 drafts + 1)
     for match in (1, 2):  # a short match is not worth a round beside a draft model, in its first round too
         fresh = AutoDrafter({"ngram": lookup, "draft": Model()}, 1, 4)
         lookup.tokens, lookup.last_match = [5], match
@@ -177,7 +202,7 @@ def test_a_long_match_never_tried_is_weighed_at_the_prior(draft_acceptance, chos
     auto.update(0)
     if chosen == "ngram":  # it was wrong: now it has a record, falling from the prior with each miss (EMA 0.8:
         # 0.48, 0.38, 0.31), and after a few misses the draft model wins
-        assert auto.controller("ngram", 3).t_draft is not None
+        assert auto.controller("ngram", 3).rounds == 1
         sources = []
         for _ in range(5):
             auto.t_verify.update({T: 0.05 for T in range(1, 6)})  # the verify cost stays flat at 50 ms
@@ -194,54 +219,38 @@ def test_a_short_match_without_a_record_is_not_tried_beside_a_draft_model():
     del auto.drafters["draft"]  # alone, the n-gram draft is still taken (better than a plain step)
     assert auto.propose(request()).source == "ngram"
 
-class Clock:
-    """A fake ``time.perf_counter``: seconds pass only when a test says so."""
+class PricedModel(Model):
+    """An expensive drafter whose drafts cost ``t_draft`` seconds a token (what the engine measures)."""
 
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self):
-        return self.now
-
-
-@pytest.fixture
-def clock(monkeypatch):
-    c = Clock()
-    monkeypatch.setattr(verispec.drafters.auto, "time", SimpleNamespace(perf_counter=c))
-    return c
-
-
-class TimedModel(Model):
-    """An expensive drafter that spends ``t_draft`` fake seconds per drafted token."""
-
-    def __init__(self, clock, t_draft):
+    def __init__(self, t_draft):
         super().__init__()
-        self.clock, self.t_draft = clock, t_draft
-
-    def propose(self, request):
-        self.clock.now += self.t_draft * request.num_tokens
-        return super().propose(request)
+        self.t_draft = t_draft
 
 
-def slow_auto(clock, acceptance=0.1, t_draft=0.02, allow_no_spec=True):
+def slow_auto(acceptance=0.1, t_draft=0.02, allow_no_spec=True):
     """auto with one draft model, measured: ``acceptance`` at every position, ``t_draft`` s per drafted token,
     verify 50 ms at every size but 1 (not measured yet)."""
-    model = TimedModel(clock, t_draft)
+    model = PricedModel(t_draft)
     model.behind = 0  # in step with the context: no catch-up to pay
     auto = AutoDrafter({"draft": model}, 1, 4, allow_no_spec=allow_no_spec)
     auto.t_verify.update({T: 0.05 for T in range(2, 6)})
-    ctl = auto.controller("draft")
-    ctl.acceptance, ctl.t_draft = [acceptance] * 4, t_draft
+    train(auto.controller("draft"), [acceptance] * 4, t_draft)
     return auto, model
 
 
-def play(auto, clock, rounds, accept_all=False, verify_s=0.05):
-    """``rounds`` rounds whose verify takes ``verify_s`` fake seconds at any size; every draft accepted, or none.
-    -> one letter a round: D (drafted), P (plain step)."""
-    out = ""
+def play(auto, rounds, accept_all=False, verify_s=0.05):
+    """``rounds`` rounds whose verify takes ``verify_s`` seconds at any size; every draft accepted, or none. The
+    store (auto's, handed over in each request as the engine hands over its own) gets what the engine measures:
+    the drafter's seconds per drafted token under auto's name and the delegate's, the round besides drafting by
+    its verify size (1: a plain step). -> one letter a round: D (drafted), P (plain step)."""
+    out, costs = "", auto.costs
     for _ in range(rounds):
-        K = auto.propose(request()).tokens.shape[1]  # [1, K]
-        clock.now += verify_s
+        draft = auto.propose(request(costs=costs))
+        K = draft.tokens.shape[1]  # [1, K]
+        if K:
+            for name in ("auto", draft.source):
+                costs.observe_draft(name, K, auto.drafters[draft.source].t_draft * K)
+        costs.observe_round(K + 1, verify_s)
         auto.update(K if accept_all else 0)
         out += "D" if K else "P"
     return out
@@ -252,15 +261,16 @@ def drafter_value(auto):
     return ctl.tokens_per_second(ctl.choose(4))
 
 
-def test_slow_poor_drafts_lose_to_a_plain_step_valued_at_one_over_the_measured_verify(clock):
-    auto, model = slow_auto(clock)  # K=1: 1.1 tokens in 0.07 s (15.7/s); a plain step: 1 in ~0.05 s (20/s)
+def test_slow_poor_drafts_lose_to_a_plain_step_valued_at_one_over_the_measured_verify():
+    auto, model = slow_auto()  # K=1: 1.1 tokens in 0.07 s (15.7/s); a plain step: 1 in ~0.05 s (20/s)
     assert drafter_value(auto) == pytest.approx(1.1 / 0.07)
-    draft = auto.propose(request())
+    draft = auto.propose(request(costs=auto.costs))
     assert draft.tokens.shape == (1, 0) and draft.source is None and model.proposed == []
-    clock.now += 0.04  # the plain step took 40 ms
+    ctl = auto.controller("draft")
+    rounds, rates = ctl.rounds, ctl.rates()
     auto.update(0)
-    assert model.updates == []  # a switched-off drafter learns nothing
-    assert auto.t_verify[1] == pytest.approx(0.04)  # the plain round measured t_verify(1)
+    assert model.updates == [] and (ctl.rounds, ctl.rates()) == (rounds, rates)  # a switched-off drafter learns nothing
+    auto.costs.observe_round(1, 0.04)  # the engine timed the plain step: 40 ms, t_verify(1)
     assert auto.no_spec_value() == pytest.approx(25.0)
     # the decision turns on 1 / t_verify(1): a drafter must promise SPEC_MARGIN times a plain step's rate
     value = drafter_value(auto) / SPEC_MARGIN
@@ -270,24 +280,24 @@ def test_slow_poor_drafts_lose_to_a_plain_step_valued_at_one_over_the_measured_v
     assert auto.propose(request()).tokens.shape[1] == 0
 
 
-def test_without_the_plain_option_slow_poor_drafts_are_still_made(clock):
-    auto, _ = slow_auto(clock, allow_no_spec=False)  # the case above, K = 0 ruled out
-    assert play(auto, clock, 10) == "D" * 10
+def test_without_the_plain_option_slow_poor_drafts_are_still_made():
+    auto, _ = slow_auto(allow_no_spec=False)  # the case above, K = 0 ruled out
+    assert play(auto, 10) == "D" * 10
     assert auto.no_spec_value() is None and 1 not in auto.t_verify
 
 
-def test_good_drafts_beat_a_plain_step(clock):
-    auto, model = slow_auto(clock, acceptance=0.95)  # K=4: 4.52 tokens in 0.13 s (35/s) against 20/s
+def test_good_drafts_beat_a_plain_step():
+    auto, model = slow_auto(acceptance=0.95)  # K=4: 4.52 tokens in 0.13 s (35/s) against 20/s
     auto.t_verify[1] = 0.05
-    assert play(auto, clock, 10, accept_all=True) == "D" * 10
+    assert play(auto, 10, accept_all=True) == "D" * 10
     assert drafter_value(auto) > auto.no_spec_value() == pytest.approx(20.0)
     assert model.proposed == [4] * 10
 
 
-def test_plain_rounds_retry_the_drafter_with_back_off_and_drafting_returns_when_it_pays(clock):
-    auto, model = slow_auto(clock)
+def test_plain_rounds_retry_the_drafter_with_back_off_and_drafting_returns_when_it_pays():
+    auto, model = slow_auto()
     # drafts keep failing: the drafter is tried again after 4, 8, 16 ... plain rounds, at most NO_SPEC_RETRY_MAX
-    rounds = play(auto, clock, 4 + 1 + 8 + 1 + 16 + 1 + 32 + 1 + 64 + 1 + 64 + 1)
+    rounds = play(auto, 4 + 1 + 8 + 1 + 16 + 1 + 32 + 1 + 64 + 1 + 64 + 1)
     gaps = [len(run) for run in rounds.split("D")[:-1]]
     assert gaps == [4, 8, 16, 32, 64, 64] and rounds.endswith("D")
     assert NO_SPEC_RETRY == 4 and NO_SPEC_RETRY_MAX == 64
@@ -295,25 +305,27 @@ def test_plain_rounds_retry_the_drafter_with_back_off_and_drafting_returns_when_
     # the text turns predictable: each retry is fully accepted; acceptance at position 1 climbs (EMA 0.8) from
     # 0.03 to 0.22, 0.38, 0.50, 0.60: the fourth retry makes K=1 worth 1.6 / 0.07 = 22.9/s, over SPEC_MARGIN x
     # 20/s, and drafting stays
-    rounds = play(auto, clock, 4 * (64 + 1) + 20, accept_all=True)
+    rounds = play(auto, 4 * (64 + 1) + 20, accept_all=True)
     assert rounds == ("P" * 64 + "D") * 3 + "P" * 64 + "D" * 21
     assert auto.plain_rounds == 0 and auto.retry_after == NO_SPEC_RETRY  # a drafter won: the back-off starts over
     assert drafter_value(auto) > auto.no_spec_value()
 
 
-def test_a_drafter_is_tried_before_it_is_switched_off(clock):
-    model = TimedModel(clock, 0.05)
+def test_a_drafter_is_tried_before_it_is_switched_off():
+    model = PricedModel(0.05)
     auto = AutoDrafter({"draft": model}, 1, 4)
     assert auto.propose(request()).source == "draft"  # nothing measured: it drafts, as without the option
     auto = AutoDrafter({"draft": model}, 1, 4)
     auto.t_verify[1] = 0.001  # a plain step looks far better, but the draft model has no record of its own
-    assert auto.propose(request()).source == "draft"
+    auto.costs.draft["draft"] = 0.05  # even where other requests measured its cost: no acceptance judged here
+    assert auto.controller("draft").rounds == 0
+    assert auto.propose(request(costs=auto.costs)).source == "draft"
 
 
-def test_no_retry_that_would_first_read_a_long_stretch(clock):
-    auto, model = slow_auto(clock)
+def test_no_retry_that_would_first_read_a_long_stretch():
+    auto, model = slow_auto()
     model.behind = 300  # the draft model skipped the prompt: a retry would prefill 300 tokens (0.6 s, 12 steps)
-    auto.t_catch_up["draft", True] = 0.002
-    assert play(auto, clock, 40) == "P" * 40 and model.proposed == []
+    auto.costs.catch_up["draft", True] = 0.002
+    assert play(auto, 40) == "P" * 40 and model.proposed == []
     model.behind = 20  # 40 ms of catch-up (under RETRY_MAX_CATCH_UP target steps): the overdue retry comes at once
-    assert play(auto, clock, 5) == "D" + "P" * 4
+    assert play(auto, 5) == "D" + "P" * 4

@@ -7,6 +7,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from verispec import LLM, SamplingParams
 from verispec.cli import main
@@ -89,3 +90,79 @@ def test_distill_command_refuses_bad_input(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["distill", "--out", str(tmp_path / "file" / "x.jsonl")]) == 2
     assert "not writable" in capsys.readouterr().err
+
+
+def test_train_head_reads_the_packed_corpus(tmp_path):
+    """A distilled record (packed .jsonl.xz) trains as its conversation with the answer as the assistant's turn,
+    and is held out by its id, not by its line (a repack keeps the split)."""
+    import lzma
+
+    from verispec.training.corpus import read_source
+
+    recs = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}], "answer": f"a{i}"} for i in range(3)]
+    path = tmp_path / "answers.jsonl.xz"
+    with lzma.open(path, "wt", encoding="utf-8") as fh:
+        fh.write("".join(json.dumps(r) + "\n" for r in recs))
+    docs = read_source(path)
+    assert [d.name for d in docs] == ["r0", "r1", "r2"]
+    assert docs[1].messages == [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}]
+
+
+def test_features_captured_by_the_batched_engine_equal_a_separate_prefill(llm):
+    """Capture (Engine.add): every fed position's hidden states and top-k log-probabilities, from the forwards that
+    generate (chunked prefill, decode rows, other requests in the batch), equal what one prefill of the finished
+    sequence gives (extraction's features_of): the tokens are the same, the numbers within float rounding."""
+    from verispec.engine import Capture, Engine
+    from verispec.training.extract import features_of
+
+    model = llm.target.model
+    eng = Engine(model, num_blocks=64, block_size=4, chunk_size=8, max_num_batched_tokens=24,
+                 logit_mask=llm.logit_mask)
+    cap = Capture((1, 2), topk=4)
+    prompts = [list(range(3, 3 + n)) for n in (21, 5, 13)]
+    reqs = [eng.add(p, SamplingParams(max_new_tokens=9, temperature=0.0 if i != 1 else 1.0, seed=i),
+                    capture=cap if i != 1 else None) for i, p in enumerate(prompts)]
+    while eng.has_work:
+        eng.step()
+    for req in (reqs[0], reqs[2]):
+        n = len(req.seq.prompt) + len(req.output_ids) - 1  # every position fed: all tokens but the last
+        want = features_of(model, req.seq.tokens[:n + 1], cap.layers, cap.topk)
+        # both as shards store them (bf16): one rounding step apart at most
+        torch.testing.assert_close(req.features[:n].to(torch.bfloat16).float(), want["features"][:n].float(),
+                                   atol=1e-3, rtol=2 ** -7)
+        assert torch.equal(req.topk_ids[:n], want["topk_ids"][:n])
+        torch.testing.assert_close(req.topk_logp[:n].float(), want["topk_logp"][:n].float(), atol=2e-3, rtol=1e-3)
+    assert reqs[1].features is None and reqs[1].topk_ids is None  # a request without capture keeps nothing
+
+
+def test_distill_with_features_writes_shards_train_head_trains_on(llm, tiny_dirs, tmp_path, capsys):
+    """`distill --features DIR` keeps the rows of every answered prompt as shards (train and held-out, by record
+    id), and `train-head --features DIR` trains on them with no --data and no extraction."""
+    from verispec.engine import Capture
+    from verispec.training.capture import FeatureWriter, captured
+    from verispec.training.extract import shards
+    from verispec.training.trainer import load_split
+
+    from verispec.training.corpus import Document
+
+    held = [f"t{i}" for i in range(2000) if Document(f"t{i}").heldout][:12]  # ids held out by their hash
+    ids = held + [f"t{i}" for i in range(30) if f"t{i}" not in held]
+    tasks = [T.Task(t, "coding", "code", [{"role": "user", "content": f"Write function {t} " * (len(t) % 3 + 1)}])
+             for t in ids]
+    writer = FeatureWriter(tmp_path / "f", Capture((1, 2), 4), 32, "tiny", llm.target.config.hidden_size)
+    d = Distiller(llm, tmp_path / "c.jsonl", concurrency=4, max_new_tokens=6, magpie_share=0.0, follow_up_share=0.0,
+                  tasks=tasks, kv_cache_tokens=4096, features=writer)
+    d.run(tokens=10**6, progress=False)
+    assert captured(tmp_path / "f")["layers"] == [1, 2]
+    assert shards(tmp_path / "f", "train") and shards(tmp_path / "f", "heldout")
+    train = load_split(tmp_path / "f", "train")
+    assert train["tokens"].shape[1] == 32 and train["features"].shape[-1] == 2 * llm.target.config.hidden_size
+    assert train["topk_ids"].dtype == torch.int32 and train["topk_logp"].dtype == torch.float16
+    out = tmp_path / "head"
+    assert main(["train-head", "--target", str(tiny_dirs["qwen2"]), "--features", str(tmp_path / "f"), "--out",
+                 str(out), "--steps", "2", "--draft-vocab", "64", "--threads", "1", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "extracted" not in err and (out / "config.json").exists()
+    assert main(["train-head", "--target", str(tiny_dirs["qwen2"]), "--features", str(tmp_path / "f"), "--out",
+                 str(out), "--layers", "1", "--steps", "2", "--no-progress"]) == 2
+    assert "holds layers 1,2" in capsys.readouterr().err

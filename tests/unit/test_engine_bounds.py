@@ -4,6 +4,8 @@ prefix whose features no forward of its own computed. Each test fails on the eng
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import pytest
 
@@ -12,6 +14,7 @@ from verispec.config import SpecConfig
 from verispec.drafters.base import Draft, Drafter, DraftRequest
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine import Engine
+from verispec.sampling import LogitsProcessor
 
 PROMPT = list(b"def add(a, b): return a + b\ndef add(a, b): return a + b\ndef ")
 OTHER = list(b"Hello, world. Hello, world. Hello")
@@ -124,3 +127,28 @@ def test_features_are_computed_even_when_the_prefix_is_shared(llm):
     assert torch.isfinite(b.first).all()
     assert torch.equal(a.first, b.first)
     assert a.first.abs().sum() > 0
+
+
+class Explodes(LogitsProcessor):
+    """A processor of one request's own that raises once its prefix is long enough (a grammar engine's bug, say)."""
+
+    def __call__(self, prefix, logits):
+        if len(prefix) > len(OTHER) + 3:
+            raise RuntimeError("processor bug")
+        return logits
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_a_request_whose_own_step_fails_fails_alone(llm, ar, drafter):
+    """Its accept raises mid-generation: it ends with finish_reason "error" and the error kept, its blocks are freed,
+    and its neighbour (speculating or not) decodes exactly what it decodes alone (before, the whole step raised and
+    the server failed every request in flight)."""
+    eng = engine(llm)
+    good = eng.add(PROMPT, SamplingParams(max_new_tokens=NEW), NgramDrafter(1, 4) if drafter else None, 4, fixed_k=True)
+    bad = eng.add(OTHER, SamplingParams(max_new_tokens=NEW), NgramDrafter(1, 4) if drafter else None, 4, fixed_k=True)
+    bad.chain = dataclasses.replace(bad.chain, processors=(*bad.chain.processors, Explodes()))
+    while eng.has_work:
+        eng.step()
+    assert good.output_ids == ar[0] and good.finish_reason == "length"
+    assert bad.finish_reason == "error" and "processor bug" in str(bad.error) and 0 < len(bad.output_ids) < NEW
+    assert bad.request_id not in eng.requests and eng.blocks.usage == 0

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import time
 
-from verispec.spec.policy import SpecPolicy
+import pytest
+import torch
+
+from verispec.drafters.base import Draft, Drafter
+
+from verispec.spec.policy import PRIOR_CATCH_UP, SpecPolicy
 
 
 def policy(step_s: float, row_s: float, acceptance: dict[int, float], t_draft: float = 0.0) -> SpecPolicy:
     """Forward cost step_s + row_s per row beyond the first; each request's acceptance at every position."""
     p = SpecPolicy()
     for rows in (1, 2, 4, 8, 16, 32):
-        p.observe_forward(rows, step_s + row_s * (rows - 1))
+        p.costs.observe_forward(rows, step_s + row_s * (rows - 1))
     for rid, a in acceptance.items():
         ctl = p.controller(rid, 8)
         ctl.acceptance, ctl.t_draft = [a] * 8, t_draft
@@ -27,8 +32,8 @@ def test_prompt_chunks_alone_never_make_the_bar_look_low():
     # 2 rows 5 s, so any draft would look cheap; costed at the chunks' 17 ms a row instead, two plain rows yield
     # 60 tokens/s, which a draft at the prior acceptance (0.6) costing 16 ms of drafting and 17 ms a row does not
     p = SpecPolicy()
-    p.observe_forward(300, 4.8)
-    p.observe_forward(292, 5.0)
+    p.costs.observe_forward(300, 4.8)
+    p.costs.observe_forward(292, 5.0)
     assert p._plain_seconds(2) < 0.035
     for rid in (0, 1):
         p.controller(rid, 4).t_draft = 0.016
@@ -67,8 +72,10 @@ def test_observed_rounds_move_a_request_estimate():
     p = policy(step_s=0.045, row_s=0.015, acceptance={}, t_draft=0.0)
     p.controller(7, 4)
     for _ in range(20):
-        p.observe(7, 4, 4, 0.01)  # every draft accepted, 2.5 ms a draft
-    assert p.controllers[7].rates()[0] > 0.95 and p.choose({7: 4}, base_rows=1)[7] == 4
+        p.observe(7, 4, 4)  # every draft accepted
+        p.costs.observe_draft("", 4, 0.01)  # 2.5 ms a draft, as the engine measures it
+    assert p.controllers[7].rates()[0] > 0.95 and p.controllers[7].rounds == 20
+    assert p.choose({7: 4}, base_rows=1)[7] == 4
     p.forget(7)
     assert 7 not in p.controllers
 
@@ -107,7 +114,7 @@ def test_a_noisy_forward_timing_does_not_make_a_row_free():
     # is negative, which would rate a draft infinitely good; the slope over nearby sizes is ~19 ms a row
     p = SpecPolicy()
     for rows, t in {1: 0.045, 8: 0.15, 12: 0.23, 15: 0.31, 16: 0.29, 17: 0.32, 24: 0.45, 32: 0.6}.items():
-        p.observe_forward(rows, t)
+        p.costs.observe_forward(rows, t)
     ctl = p.controller(0, 4)
     ctl.acceptance = [0.6] * 4
     assert 0.015 < p._row_seconds(15) < 0.025
@@ -121,11 +128,16 @@ def test_a_new_request_starts_from_the_draft_cost_others_measured():
     p = policy(step_s=0.045, row_s=0.008, acceptance={})
     assert p.choose({9: 4}, base_rows=1, catch_up={9: (0.5, 0.015)})[9] > 0
     p = policy(step_s=0.045, row_s=0.008, acceptance={})
+    p.admit(0, 4, "draft")
     p.controller(0, 4)
     for _ in range(5):
-        p.observe(0, 2, 1, 0.032)  # 16 ms a drafted token
+        p.observe(0, 2, 1)
+        p.costs.observe_draft("draft", 2, 0.032)  # 16 ms a drafted token, in the engine's store
     p.forget(0)
+    p.admit(1, 4, "draft")
     assert p.choose({1: 4}, base_rows=1, catch_up={1: (0.5, 0.015)})[1] == 0
+    p.admit(2, 4, "ngram")  # another drafter's request is not billed the draft model's cost
+    assert p.choose({2: 4}, base_rows=1, catch_up={2: (0.5, 0.015)})[2] > 0
 
 
 def test_a_controller_is_sized_by_the_request_bound_not_the_first_budget_cut_k():
@@ -135,19 +147,102 @@ def test_a_controller_is_sized_by_the_request_bound_not_the_first_budget_cut_k()
     p.admit(7, 8)
     ctl = p.controller(7, 2)
     assert ctl.k_max == 8
-    ctl.observe(8, 8, 0.01, 0.0)
+    ctl.observe(8, 8)
     p.forget(7)
     assert 7 not in p.bounds and 7 not in p.controllers
 
 
 def test_a_long_catch_up_is_learned_per_token_and_spread_over_the_steps_left():
     p = SpecPolicy()
-    assert p.catch_up(100, 64) == (0.0, 0.0)  # nothing measured yet
-    p.observe_forward(1, 0.05)
-    p.observe_catch_up(8, 1.0)  # short: not learned per token
-    assert p.t_catch_up is None
-    p.observe_catch_up(200, 0.4)
-    assert p.t_catch_up == pytest.approx(0.002)
-    seconds, share = p.catch_up(100, 64)
+    assert p.catch_up("draft", 100, 64) == (0.0, 0.0)  # nothing measured yet
+    p.costs.observe_forward(1, 0.05)
+    p.costs.observe_catch_up("draft", 8, 1.0)  # short: learned per token apart from long ones
+    assert p.costs.catch_up == {("draft", False): pytest.approx(0.125)}
+    p.costs.observe_catch_up("draft", 200, 0.4)
+    assert p.costs.catch_up["draft", True] == pytest.approx(0.002)
+    seconds, share = p.catch_up("draft", 100, 64)
     assert seconds == pytest.approx(0.2) and share == pytest.approx(0.2 / 32)
-    assert p.catch_up(3, 64) == pytest.approx((0.006, 0.006))  # a short one is this step's cost in full
+    assert p.catch_up("draft", 3, 64) == pytest.approx((0.375, 0.375))  # a short one is this step's cost in full
+    # another drafter has no record: the prior, PRIOR_CATCH_UP target steps a token
+    assert p.catch_up("eagle", 3, 64) == pytest.approx((3 * PRIOR_CATCH_UP * 0.05,) * 2)
+
+
+# The engine measures every cost into its one store (spec/costs.py), which the policy and every drafter read.
+
+PROMPT = list(b"def add(a, b): return a + b\ndef add(a, b): return a + b\ndef ")  # 60 tokens: a long catch-up
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dirs):
+    from verispec import LLM
+
+    return LLM(target=str(tiny_dirs["qwen2"]), draft=str(tiny_dirs["qwen2"]), dtype="float32", draft_quant=None,
+               progress=False)
+
+
+def tiny_engine(llm):
+    from verispec.engine import Engine
+
+    return Engine(llm.target.model, num_blocks=64, block_size=4, chunk_size=16, logit_mask=llm.logit_mask)
+
+
+def run_alone(eng, drafter, K=4, new=16):
+    from verispec import SamplingParams
+
+    req = eng.add(PROMPT, SamplingParams(max_new_tokens=new, ignore_eos=True), drafter, K, fixed_k=True)
+    while eng.has_work:
+        eng.step()
+    return req
+
+
+def test_the_engine_writes_every_cost_into_its_one_store_under_the_drafter_and_its_delegate(tiny):
+    """auto delegating to the draft model (Draft.source = "draft"): a round's draft seconds (and the prompt's
+    catch-up) are the costs of both auto and the draft model; the forward and round costs are everyone's."""
+    from verispec.drafters.auto import AutoDrafter
+    from verispec.drafters.draft_model import DraftModelDrafter
+
+    eng = tiny_engine(tiny)
+    assert eng.policy.costs is eng.costs
+    auto = AutoDrafter({"draft": DraftModelDrafter(tiny.draft.model, early_stop=False)}, 1, 4, allow_no_spec=False)
+    req = run_alone(eng, auto)
+    assert req.output_ids and req.stats.drafters["draft"][0] >= 2  # two rounds or more, all delegated
+    c = eng.costs
+    assert auto.costs is c and auto.controller("draft").costs is c  # auto read the engine's store, not its own
+    assert c.forward and all(s > 0 for s in c.forward.values())
+    assert 16 in c.forward  # the prompt's chunks (chunk_size 16) are measured too
+    # a round besides drafting, by verify size: auto drafts K <= 4 (its own choice), verified in K + 1 rows
+    assert c.round and all(2 <= T <= 5 and s > 0 for T, s in c.round.items())
+    assert set(c.draft) == {"auto", "draft"} and all(s > 0 for s in c.draft.values())
+    assert ("auto", True) in c.catch_up and ("draft", True) in c.catch_up  # its first round read the prompt
+    assert auto.controller("draft").rounds >= 2  # auto itself learned only acceptance
+    assert auto.controller("draft").t_draft == c.draft["draft"]  # and prices its delegate with the store's cost
+
+
+class Scripted(Drafter):
+    """Its first round reports a long catch-up it spent ``catch_up_s`` (slept) on, then drafts 2 tokens; every
+    later round proposes nothing (a plain step, as auto's K = 0)."""
+
+    name = "scripted"
+
+    def __init__(self, catch_up_s):
+        self.catch_up_s, self.rounds = catch_up_s, 0
+
+    def propose(self, request):
+        self.rounds += 1
+        if self.rounds == 1:
+            time.sleep(self.catch_up_s)
+            self.catch_up = (300, self.catch_up_s)
+            return Draft(torch.tensor([[7, 7]], dtype=torch.long))
+        self.catch_up = (0, 0.0)
+        return Draft(torch.empty(1, 0, dtype=torch.long))
+
+
+def test_the_engine_keeps_a_catch_up_out_of_the_draft_cost_and_times_a_plain_round(tiny):
+    eng = tiny_engine(tiny)
+    drafter = Scripted(catch_up_s=0.2)
+    run_alone(eng, drafter, K=2, new=6)
+    c = eng.costs
+    assert drafter.rounds >= 3
+    assert c.catch_up == {("scripted", True): pytest.approx(0.2 / 300)}  # learned per token, long
+    assert c.draft["scripted"] < 0.05  # the 0.2 s of catch-up are not billed as drafting (0.1 s a token)
+    assert set(c.round) == {3, 1}  # the round of 2 drafts, then the plain rounds: t_verify(1)

@@ -1,8 +1,9 @@
 """``method="auto"``: each round, the drafter whose draft promises the most tokens per second.
 
-Every drafter is valued with the cost model of spec/policy.py and spec/costs.py (live per-position acceptance, seconds per
-drafted token, the target's verify cost per forward size, one table shared by all): a round of K drafts
-yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K + 1)`` seconds.
+Every drafter is valued with the cost model of spec/policy.py and spec/costs.py: its live per-position acceptance
+(kept here) and the costs the engine measures into its one store (``DraftRequest.costs``: seconds per drafted token
+of each drafter, a round's verify cost per size, each drafter's catch-up per token): a round of K drafts yields
+``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K + 1)`` seconds.
 
 - Cheap drafters (``cheap = True``: proposing costs ~nothing and a proposal may be dropped without
   ``update``, e.g. n-gram lookup) propose first, and the draft they actually made is valued. A drafter
@@ -12,15 +13,16 @@ yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K +
   match is long enough (TRY_MIN_MATCH), else not at all: it is tried when that beats the draft model.
 - An expensive drafter (a draft model, a draft head) is valued at the K it would choose, plus the catch-up it
   needs first: a drafter that sat out rounds (or never ran: the whole prompt) must feed what its cache lacks.
-  A short catch-up is this round's cost; a long one (a prompt) is a one-off, spread over the rounds left. Catch-up
-  time is learned per token (short and long apart) and kept out of the per-token draft cost. Before its first
+  A short catch-up is this round's cost; a long one (a prompt) is a one-off, spread over the rounds left. The engine
+  learns catch-up time per token (short and long apart) from what the drafter reports (``catch_up``) and keeps it
+  out of the per-token draft cost. Before its first
   round a drafter is valued with priors in units of one target step (PRIOR_C per drafted token, PRIOR_CATCH_UP
   per catch-up token: the 0.5B draft of the 1.5B target on CPU, where PRIOR_C sits between the ratio measured with
   the 4-bit draft on the bf16 target and on the native target; docs/BENCHMARKS.md, "Draft model").
 - Acceptance estimates start from the prior (0.6 a position) and move by an EMA: one unlucky first round lowers
   a drafter's estimate, it does not switch it off.
-- What auto measures is kept across requests (``memory``, held by the LLM per drafter set, K range and sampling
-  setting): a new request starts from the last one's estimates, so a drafter is not explored again on every
+- The acceptance auto learns is kept across requests (``memory``, held by the LLM per drafter set, K range and
+  sampling setting; the costs live in the engine's store): a new request starts from the last one's estimates, so a drafter is not explored again on every
   request (the head's first round reads the whole prompt; on CPU that costs a few target steps). The price: a
   drafter that the last requests rated low is tried again only when a retry is cheap (RETRY_MAX_CATCH_UP), so on
   a CPU where it barely pays it may sit out a request it would have won (measured: docs/BENCHMARKS.md, "auto").
@@ -28,7 +30,7 @@ yields ``1 + sum_i P(first i accepted)`` tokens for ``K * t_draft + t_verify(K +
 - No speculation (K = 0, an empty draft: the engine runs a plain target step) is an option too, worth
   ``1 / t_verify(1)`` tokens per second (one target forward per token). It is taken unless a drafter promises
   SPEC_MARGIN times more, once the best drafter has a record of its own (a drafter never measured is tried first, and
-  before any verify is measured auto drafts). A plain round is timed like any other: it measures
+  before any verify is measured auto drafts). A plain round is timed by the engine like any other: it measures
   t_verify(1). Switched-off drafters learn nothing, so after a run of plain rounds the best drafter drafts
   once more for fresh evidence (unless it would first spend more than RETRY_MAX_CATCH_UP target steps catching up,
   e.g. on a prompt it never read):
@@ -42,14 +44,13 @@ Exactness is the verifier's business, whatever drafter is picked.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..spec.costs import ema, expected_tokens, interpolate
-from ..spec.policy import (LONG_CATCH_UP, NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, PRIOR_C, PRIOR_CATCH_UP, RETRY_MAX_CATCH_UP,
-                           SPEC_MARGIN, DraftLengthController)
+from ..spec.costs import LONG_CATCH_UP, Costs, expected_tokens, interpolate
+from ..spec.policy import (NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, PRIOR_C, PRIOR_CATCH_UP, RETRY_MAX_CATCH_UP, SPEC_MARGIN,
+                           DraftLengthController)
 from .base import Draft, Drafter, DraftRequest
 
 TRY_MIN_MATCH = 3  # an n-gram match this long is valued at the prior without a record (shorter: only with a
@@ -59,15 +60,13 @@ TRY_MIN_MATCH = 3  # an n-gram match this long is valued at the prior without a 
 
 @dataclass
 class AutoMemory:
-    """What auto has measured: the target's verify cost per forward size, a DraftLengthController per (drafter,
-    match length) and each drafter's catch-up seconds per token, keyed (drafter, long)."""
+    """What auto has learned of acceptance: a DraftLengthController per (drafter, match length)."""
 
-    t_verify: dict[int, float] = field(default_factory=dict)
     controllers: dict[tuple[str, int | None], DraftLengthController] = field(default_factory=dict)
-    t_catch_up: dict[tuple[str, bool], float] = field(default_factory=dict)
 
 
 class AutoDrafter(Drafter):
+    name = "auto"
     adaptive = True  # chooses its own lengths: the engine must not wrap it again
 
     def __init__(self, drafters: dict[str, object], k_min: int, k_max: int, allow_no_spec: bool = True,
@@ -78,11 +77,11 @@ class AutoDrafter(Drafter):
         self.k_min, self.k_max = k_min, k_max
         self.allow_no_spec = allow_no_spec  # a plain target step (K = 0) may be chosen
         self._memories = memory  # kept across requests: key -> AutoMemory, looked up in the first round
+        self.costs = Costs()  # the engine's store, from the first request on (its own until then)
         self._use(AutoMemory())
         self.plain_rounds = 0  # plain rounds chosen in a row since the last drafter round
         self.retry_after = NO_SPEC_RETRY  # plain rounds before the best drafter drafts again
-        # (drafter, controller, K, draft seconds, hand-over time); drafter and controller None: a plain step
-        self._round: tuple | None = None
+        self._round: tuple | None = None  # (drafter, controller, K) of this round; drafter None: a plain step
         self.catch_up = (0, 0.0)  # the chosen delegate's catch-up this round (tokens, seconds beyond drafting)
 
     def lag(self, context: list[int]) -> int:
@@ -95,9 +94,12 @@ class AutoDrafter(Drafter):
 
     def _use(self, memory: AutoMemory) -> None:
         self.memory = memory
-        self.t_verify = memory.t_verify  # the target's cost per forward size, learned from every round
         self.controllers = memory.controllers
-        self.t_catch_up = memory.t_catch_up
+
+    @property
+    def t_verify(self) -> dict[int, float]:
+        """Verify size T -> seconds of a round besides drafting (the store's)."""
+        return self.costs.round
 
     def _remember(self, request: DraftRequest) -> None:
         """First round: continue from what earlier requests with these drafters and this sampling setting measured."""
@@ -109,17 +111,15 @@ class AutoDrafter(Drafter):
     def controller(self, name: str, match: int | None = None) -> DraftLengthController:
         key = (name, match)
         if key not in self.controllers:
-            self.controllers[key] = DraftLengthController(self.k_min, self.k_max, t_verify=self.t_verify)
-        return self.controllers[key]
-
-    def _step_seconds(self) -> float | None:
-        return min(self.t_verify.values()) if self.t_verify else None  # ~ one target step
+            self.controllers[key] = DraftLengthController(self.k_min, self.k_max, name=name)
+        ctl = self.controllers[key]
+        ctl.costs = self.costs  # a controller kept from an earlier request reads today's store
+        return ctl
 
     def _catch_up_seconds(self, name: str, drafter, request: DraftRequest, step: float) -> tuple[float, bool]:
         """Seconds this drafter would spend catching up before its next draft, and whether that is a long stretch."""
         lag = drafter.lag(request.context)
-        long = lag > LONG_CATCH_UP
-        return max(lag, 0) * self.t_catch_up.get((name, long), PRIOR_CATCH_UP * step), long
+        return self.costs.catch_up_s(name, lag, PRIOR_CATCH_UP * step), lag > LONG_CATCH_UP
 
     @staticmethod
     def _spread(seconds: float, long: bool, request: DraftRequest, ctl: DraftLengthController, K: int) -> float:
@@ -141,7 +141,7 @@ class AutoDrafter(Drafter):
         short = match is not None and match < TRY_MIN_MATCH
         if step is None:
             return -1.0 if short else float("inf")
-        if ctl.t_draft is None and short:
+        if ctl.rounds == 0 and short:
             return -1.0
         return ctl.tokens_per_second(K)
 
@@ -159,7 +159,7 @@ class AutoDrafter(Drafter):
         never one whose catch-up costs more than RETRY_MAX_CATCH_UP target steps (a draft model reading a long
         prompt it skipped can cost as much as the whole generation saves). Keeps the back-off count."""
         plain = self.no_spec_value()
-        if plain is None or ctl.t_draft is None:  # nothing to compare, or a drafter never measured: it drafts
+        if plain is None or ctl.rounds == 0:  # nothing to compare, or a drafter never measured: it drafts
             return False
         if value >= SPEC_MARGIN * plain:  # a drafter wins: the back-off starts over
             self.plain_rounds, self.retry_after = 0, NO_SPEC_RETRY
@@ -171,30 +171,30 @@ class AutoDrafter(Drafter):
         return False
 
     def _plain_step(self, request: DraftRequest) -> Draft:
-        """An empty draft [1, 0]: the engine runs one target step, which update() times as t_verify(1)."""
-        self._round = (None, None, 0, 0.0, time.perf_counter())
+        """An empty draft [1, 0]: the engine runs one target step, which it times as t_verify(1)."""
+        self._round = (None, None, 0)
         return Draft(torch.empty(1, 0, dtype=torch.long, device=request.device))
 
     def propose(self, request: DraftRequest) -> Draft:
         self.catch_up = (0, 0.0)
+        if request.costs is not None:
+            self.costs = request.costs
         if self._memories is not None:
             self._remember(request)
-        step = self._step_seconds()
-        # (expected tokens/s, name, drafter, controller, K, draft or None, seconds: spent proposing (cheap) or
-        # to spend catching up first (expensive))
+        step = self.costs.step_s()  # ~ one target step
+        # (expected tokens/s, name, drafter, controller, K, draft or None, seconds to spend catching up first
+        # (expensive; 0 for a cheap draft, made already))
         options = []
         for name, d in self.drafters.items():
             if d.cheap:  # propose now, value the draft it really has
-                t0 = time.perf_counter()
                 draft = d.propose(request)
-                spent = time.perf_counter() - t0
                 if draft.tokens.shape[1]:
                     ctl = self.controller(name, d.last_match)
                     K = ctl.choose(draft.tokens.shape[1])
                     draft = replace(draft, tokens=draft.tokens[:, :K],
                                     draft_probs=None if draft.draft_probs is None else draft.draft_probs[:, :K])
                     value = self._cheap_value(ctl, K, d.last_match, step)
-                    options.append((value, name, d, ctl, K, draft, spent))
+                    options.append((value, name, d, ctl, K, draft, 0.0))
             else:  # value it at the K it would choose; it proposes only if chosen
                 ctl = self.controller(name)
                 K = ctl.choose(request.num_tokens)
@@ -206,34 +206,20 @@ class AutoDrafter(Drafter):
         if not options:  # only cheap drafters and none found anything: a plain target step
             return self._plain_step(request)
         value, name, d, ctl, K, draft, spent = max(options, key=lambda o: o[0])  # the first on ties
-        if self._plain_wins(value, ctl, 0.0 if draft is not None else spent):
+        if self._plain_wins(value, ctl, spent):
             return self._plain_step(request)
         if draft is None:  # a drafter that ends its rounds itself (early_stop) gets the largest K as its cap
-            t0 = time.perf_counter()
             cap = request.num_tokens if d.early_stop else K
             draft = d.propose(replace(request, num_tokens=cap))
-            spent = time.perf_counter() - t0
-            spent -= self._learn_catch_up(name, d)
-            self.catch_up = d.catch_up
-        self._round = (d, ctl, draft.tokens.shape[1], spent, time.perf_counter())
+            self.catch_up = d.catch_up  # the engine keeps it out of the draft cost, and learns it for ``name``
+        self._round = (d, ctl, draft.tokens.shape[1])
         return replace(draft, source=name)
-
-    def _learn_catch_up(self, name: str, drafter) -> float:
-        """Seconds of this round's draft time that were catch-up (learned per token), not drafting."""
-        tokens, seconds = drafter.catch_up
-        if tokens <= 0:
-            return 0.0
-        key = (name, tokens > LONG_CATCH_UP)
-        self.t_catch_up[key] = ema(self.t_catch_up.get(key), seconds / tokens)
-        return seconds
 
     def update(self, num_accepted: int) -> None:
         if self._round is None:
             return
-        d, ctl, K, draft_s, handed_over = self._round
-        verify_s = time.perf_counter() - handed_over
-        if d is None:  # a plain step: one target forward over 1 token
-            self.t_verify[1] = ema(self.t_verify.get(1), verify_s)
+        d, ctl, K = self._round
+        if d is None:  # a plain step: nothing drafted, nothing to learn (the engine timed it)
             return
-        ctl.observe(K, num_accepted, draft_s, verify_s)
+        ctl.observe(K, num_accepted)
         d.update(num_accepted)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingParams
+from ..sampling import ProcessorChain
+from ..spec.costs import Costs
 
 
 @dataclass
@@ -37,10 +39,18 @@ class DraftRequest:
     vocab_size: int  # the target's vocabulary rows: draft_probs must be [B, K, vocab_size]
     logit_mask: torch.Tensor | None  # [vocab_size] bool, True = never propose (padding rows)
     device: torch.device | str = "cpu"  # where the target runs: Draft tensors go here
-    verify_s: dict[int, float] | None = None  # verify size T -> recent seconds of a round besides drafting
+    costs: Costs | None = None  # the engine's store of measured costs (spec/costs.py): read it, never write it
+    # the request's processors (padding mask, then its transforms: sampling/), applied to each drafted row given its
+    # prefix (the context plus the drafts before it) as the verifier applies them to p: None = the params' own
+    chain: ProcessorChain | None = None
     # [>= len(context) - 1, F]: the target's residual streams after the drafter's ``feature_layers``, concatenated,
     # row r = position r; rows 0 .. len(context) - 2 are committed (the last context token is not yet fed)
     features: torch.Tensor | None = None
+
+
+def chain_of(request: DraftRequest) -> ProcessorChain:
+    """The processors a drafter applies to its logits: the request's, else those of its sampling params."""
+    return request.chain if request.chain is not None else ProcessorChain.from_params(request.params, request.logit_mask)
 
 
 class Drafter:
@@ -55,6 +65,8 @@ class Drafter:
     # target layer indices (0 = embeddings, i = after layer i) whose hidden states the engine keeps for every
     # committed position and hands over as ``DraftRequest.features`` (a draft head); () = none, features None
     feature_layers: tuple[int, ...] = ()
+    # the key of its costs in the store (Costs.draft / catch_up) and of its rounds in the stats
+    name: str = ""
     # proposing costs ~nothing and a proposal may be dropped without ``update`` (n-gram lookup): auto asks it first
     # and values the draft it really made
     cheap: bool = False

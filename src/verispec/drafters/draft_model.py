@@ -5,7 +5,8 @@ token, plus the last drafted token after a fully accepted round), in one forward
 tokens with the same temperature / top-k / top-p transform as the target. With ``early_stop`` it ends
 the round before K once the draft's own confidence says one more token is not worth a draft step and a
 verify row (spec/policy.py worth_another_draft); the verifier is the same whatever the draft length, so this
-changes the speed, never the output.
+changes the speed, never the output distribution. A seeded sample is never stopped by this timed rule: a stop
+decided by measured time would change how many random numbers its drafts draw, and so which text that seed gives.
 """
 
 from __future__ import annotations
@@ -17,22 +18,22 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..spec.costs import ema
 from ..spec.policy import Calibration, worth_another_draft
 from ..models.kv_cache import KVCache, PrefixCache
 from ..models.llama import Transformer
-from ..sampling import Prefix, ProcessorChain, draw, mask_logits
-from .base import Draft, Drafter, DraftRequest
+from ..sampling import Prefix, draw, mask_logits
+from .base import Draft, Drafter, DraftRequest, chain_of
 
 
 class DraftModelDrafter(Drafter):
+    name = "draft"
+
     def __init__(self, model: Transformer, early_stop: bool = True, calibrations: dict | None = None,
                  prefixes: PrefixCache | None = None):
         self.model = model
         self.prefixes = prefixes  # the draft cache of the last request, to start from (None: always from scratch)
         self._give_back: weakref.finalize | None = None
         self.early_stop = early_stop
-        self.t_draft: float | None = None  # recent seconds per draft step (catch-ups excluded)
         # sampling settings -> Calibration (confidence -> chance of acceptance); pass one dict to keep learning
         # across requests (LLM does)
         self.calibrations = {} if calibrations is None else calibrations
@@ -60,7 +61,8 @@ class DraftModelDrafter(Drafter):
         if self.early_stop and self.calibration is None:
             p = request.params
             self.calibration = self.calibrations.setdefault((p.temperature, p.top_k, p.top_p), Calibration())
-        chain = ProcessorChain.from_params(request.params)  # logits come masked: params' transforms only
+        chain = chain_of(request)
+        t_draft = request.costs.draft.get(self.name) if request.costs is not None else None  # per draft step
         for i in range(K):
             t0, fed = time.perf_counter(), tokens.shape[1]
             logits = fit_vocab(self._forward(tokens), request.vocab_size, request.logit_mask)  # [1, V]
@@ -69,30 +71,31 @@ class DraftModelDrafter(Drafter):
             if probs is not None:
                 probs_out.append(probs)
             tokens = token[:, None]  # [1, 1]
-            # 2. the first forward carries the catch-up; the others are plain draft steps
-            seconds = time.perf_counter() - t0
+            # 2. the first forward carries the catch-up: its cost beyond a draft step
             if i == 0:
-                self.catch_up = (fed, max(seconds - (self.t_draft or 0.0), 0.0))
-            else:
-                self.t_draft = ema(self.t_draft, seconds)
+                self.catch_up = (fed, max(time.perf_counter() - t0 - (t_draft or 0.0), 0.0))
             # 3. early stop: is one more draft token worth its draft step and verify row?
             if self.early_stop:
                 self.confidences.append(confidence(logits, probs))
-                if i + 1 < K and self.stop_now(self.confidences, request):
+                if i + 1 < K and self.stop_now(self.confidences, t_draft, request):
                     break
         self.num_proposed = len(tokens_out)
         draft_tokens = torch.stack(tokens_out, dim=1)  # [1, K]
         draft_probs = torch.stack(probs_out, dim=1) if probs_out else None  # [1, K, V] or None (greedy)
         return Draft(draft_tokens, draft_probs)
 
-    def stop_now(self, confidences: list[float], request: DraftRequest) -> bool:
-        """End the round after the drafts so far (confidences: q's maximum at each)? Any rule that looks only at
-        the draft's side keeps the output exact; this one weighs one more draft by the cost model, with the
-        chances of acceptance that this pair's verdicts so far give those confidences."""
-        if self.t_draft is None or not request.verify_s:
+    def stop_now(self, confidences: list[float], t_draft: float | None, request: DraftRequest) -> bool:
+        """End the round after the drafts so far (confidences: q's maximum at each; t_draft: the store's seconds
+        per draft step)? Any rule that looks only at the draft's side keeps the output exact; this one weighs one
+        more draft by the cost model, with the chances of acceptance that this pair's verdicts so far give those
+        confidences."""
+        p = request.params
+        if not p.greedy and p.seed is not None:  # a seeded sample: a stop decided by measured time would change how
+            return False  # many random numbers its drafts draw, and so the text that seed gives
+        if t_draft is None or request.costs is None or not request.costs.round:
             return False  # nothing measured yet: draft K
         chances = [self.calibration(q) for q in confidences]
-        return not worth_another_draft(chances, self.t_draft, request.verify_s)
+        return not worth_another_draft(chances, t_draft, request.costs.round)
 
     def _new_cache(self, request: DraftRequest, device) -> KVCache:
         """A cache for this request: from the prefix store when there is one (holding what the last request's

@@ -17,11 +17,13 @@ import torch
 
 from ..heads.base import DraftHead, to_target_vocab
 from ..models.kv_cache import KVCache
-from ..sampling import Prefix, ProcessorChain, draw, mask_logits
-from .base import Draft, Drafter, DraftRequest
+from ..sampling import Prefix, draw, mask_logits
+from .base import Draft, Drafter, DraftRequest, chain_of
 
 
 class HeadDrafter(Drafter):
+    name = "eagle"
+
     def __init__(self, head: DraftHead):
         self.head = head
         self.feature_layers = head.feature_layers  # the target residual streams the engine must hand over
@@ -50,7 +52,7 @@ class HeadDrafter(Drafter):
         self.fed = n
         # 2. draft: K tokens in a chain on the head's own hidden states
         tokens_out, probs_out = [], []
-        chain = ProcessorChain.from_params(request.params)  # logits come masked: params' transforms only
+        chain = chain_of(request)
         for i in range(K):
             logits = self._target_logits(hidden, request)  # [1, V]
             token, probs = draw(logits, Prefix(ctx, tokens_out), chain, request.generator)  # [1], q [1, V] or None

@@ -53,6 +53,7 @@ class NgramIndex:
 
 
 class NgramDrafter(Drafter):
+    name = "ngram"
     cheap = True  # proposing costs ~nothing and a proposal may be dropped without update()
 
     def __init__(self, n_min: int = 1, n_max: int = 4):

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..spec.costs import ema
+from ..spec.costs import Costs
 from ..spec.policy import SpecPolicy
 from ..config import SamplingParams
 from ..drafters.base import Draft, Drafter, DraftRequest
@@ -42,6 +42,16 @@ log = logging.getLogger("verispec.engine")
 MAX_DRAFT_TOKENS = 16  # the most drafts a request may ask for a step (the server's num_speculative_tokens bound)
 
 
+@dataclass(frozen=True)
+class Capture:
+    """What a request keeps of the target's forwards for every position it feeds (prompt rows included): the residual
+    streams after ``layers`` (Request.features) and the ``topk`` largest log-probabilities of the next token
+    (Request.topk_ids / topk_logp): a draft head's training inputs, from the forwards that generate (distillation)."""
+
+    layers: tuple[int, ...]
+    topk: int = 16
+
+
 
 @dataclass(eq=False)
 class Request:
@@ -55,11 +65,14 @@ class Request:
     fixed_k: bool = False  # draft the full K every step (no cost model)
     chain: ProcessorChain | None = None  # the padding mask, then the params' transforms: applied to each row chosen
     new_tokens: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "eos" | "length" | "abort"
-    features: torch.Tensor | None = None  # [capacity, F]: the drafter's target hidden states, per position
+    finish_reason: str | None = None  # "eos" | "length" | "abort" | "error"
+    error: Exception | None = None  # why it failed (finish_reason "error"): its own failure, no one else's
+    features: torch.Tensor | None = None  # [capacity, F]: the drafter's (or capture's) target hidden states
+    capture: Capture | None = None
+    topk_ids: torch.Tensor | None = None  # [capacity, k] int32 (capture): the target's k likeliest next tokens
+    topk_logp: torch.Tensor | None = None  # [capacity, k] float16: their log-probabilities
     num_output: int = 0  # tokens generated so far (the sequence may hold more past an EOS that ended it)
     stats: Stats = field(default_factory=Stats)
-    verify_s: dict[int, float] = field(default_factory=dict)  # verify size T -> EMA seconds of a step besides drafting
     last_round: tuple[int, float] | None = None  # (verify size, when its drafting ended) of the last drafting step
 
     @property
@@ -87,7 +100,7 @@ class Engine:
     def __init__(self, target: Transformer, num_blocks: int, block_size: int = 16, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, chunk_size: int = 256, logit_mask: torch.Tensor | None = None,
                  eos_token_ids: tuple[int, ...] = (), prefix_reuse: bool = True,
-                 max_draft_tokens: int = MAX_DRAFT_TOKENS):
+                 max_draft_tokens: int = MAX_DRAFT_TOKENS, costs: Costs | None = None):
         self.max_draft_tokens = max_draft_tokens  # no request drafts more a step, whatever it asks
         self.target, self.logit_mask, self.eos_token_ids = target, logit_mask, tuple(eos_token_ids)
         self.device = target.embed_tokens.weight.device
@@ -95,7 +108,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, chunk_size, prefix_reuse)
         self.requests: dict[int, Request] = {}
-        self.policy = SpecPolicy()
+        self.costs = Costs() if costs is None else costs  # every measured cost: the one store (spec/costs.py)
+        self.policy = SpecPolicy(self.costs)
         self._ids = itertools.count()
 
     @property
@@ -104,7 +118,7 @@ class Engine:
 
     def add(self, prompt_ids: list[int], params: SamplingParams,
             drafter: Drafter | Callable[[int], Drafter | None] | None = None, num_draft_tokens: int = 0,
-            fixed_k: bool = False) -> Request:
+            fixed_k: bool = False, capture: Capture | None = None) -> Request:
         """Queue a request; its drafter proposes up to K tokens a step, as many as the cost model gives it in each
         step's batch (``fixed_k``: always K). ``drafter``: a Drafter, or a factory that makes one for the request's
         K (a drafter that sizes state by K, such as auto, must be made this way).
@@ -113,7 +127,9 @@ class Engine:
         step's budget holds beside one row per seat (a fixed K then always fits in turn). Every per-request
         structure (the drafter, its controller in the policy, its stats) is sized by it. A seeded sampling request
         always drafts its full K: how many random numbers its drafts and verdicts use must not depend on the batch,
-        so that the same seed gives the same text whoever shares the server (greedy output never depends on K)."""
+        so that the same seed gives the same text whoever shares the server (greedy output never depends on K).
+        ``capture``: keep the target's features and top-k log-probabilities of every position (not with a drafter
+        that reads features of its own)."""
         if not prompt_ids:
             raise VerispecError("empty prompt")
         rid = next(self._ids)
@@ -131,13 +147,20 @@ class Engine:
                       chain=ProcessorChain.from_params(params, self.logit_mask))
         req.stats.prompt_tokens = len(prompt_ids)
         req.stats.reached, req.stats.accepted_at = [0] * seq.num_draft_tokens, [0] * seq.num_draft_tokens
-        if drafter is not None and drafter.feature_layers:  # written by every forward that computes a position:
-            # such a sequence never takes a shared prefix's blocks, whose positions no forward of its own computes
+        layers = drafter.feature_layers if drafter is not None else ()
+        if capture is not None:
+            if layers:
+                raise VerispecError("capture needs a request whose drafter reads no features of its own")
+            layers, req.capture = capture.layers, capture
+            req.topk_ids = torch.zeros(self._capacity(req), capture.topk, dtype=torch.int32, device=self.device)
+            req.topk_logp = torch.zeros(self._capacity(req), capture.topk, dtype=torch.float16, device=self.device)
+        if layers:  # written by every forward that computes a position: such a sequence never takes a shared
+            # prefix's blocks, whose positions no forward of its own computes
             seq.share_prefix = False
-            width = len(drafter.feature_layers) * self.target.config.hidden_size
+            width = len(layers) * self.target.config.hidden_size
             req.features = torch.zeros(self._capacity(req), width, dtype=self.target.dtype, device=self.device)
         if K:
-            self.policy.admit(rid, K)  # its controller is sized by this bound, not by a step's budget-cut K
+            self.policy.admit(rid, K, drafter.name)  # its controller is sized by this bound, not a step's budget-cut K
         self.requests[rid] = req
         return req
 
@@ -159,7 +182,8 @@ class Engine:
         base_rows = sum(c.num_tokens if c.is_prefill else 1 for c in chunks)
         flexible = {c.seq.seq_id: c.num_draft for c in chunks
                     if c.num_draft and not self.requests[c.seq.seq_id].fixed_k}
-        catch_up = {rid: self.policy.catch_up(r.drafter.lag(r.seq.tokens), r.params.max_new_tokens - r.num_output)
+        catch_up = {rid: self.policy.catch_up(r.drafter.name, r.drafter.lag(r.seq.tokens),
+                                              r.params.max_new_tokens - r.num_output)
                     for rid in flexible if (r := self.requests[rid])}
         K = {c.seq.seq_id: c.num_draft for c in chunks} | self.policy.choose(
             flexible, base_rows, catch_up, seqs=len(chunks))
@@ -171,17 +195,18 @@ class Engine:
             if not chunk.is_prefill and K[seq.seq_id]:
                 if req.last_round:  # what its last drafting step cost besides drafting, by verify size
                     T, drafted_at = req.last_round
-                    req.verify_s[T] = ema(req.verify_s.get(T), t0 - drafted_at)
+                    self.costs.observe_round(T, t0 - drafted_at)
                 draft = self._propose(req, DraftRequest(  # the live context (a draft cache given back keeps it)
                     seq.tokens, K[seq.seq_id], req.params, req.generator, self._capacity(req),
-                    self.target.config.vocab_size, self.logit_mask, self.device, req.verify_s, req.features))
+                    self.target.config.vocab_size, self.logit_mask, self.device, self.costs, req.chain, req.features))
                 req.stats.draft_s += time.perf_counter() - t0
                 req.last_round = None if draft is None else (draft.tokens.shape[1] + 1, time.perf_counter())
             elif not chunk.is_prefill:
                 req.last_round = None
             # drafting time, less any catch-up on tokens the drafter skipped (its prompt, the first time)
             fed_back, caught_up_s = req.drafter.catch_up if draft and req.drafter else (0, 0.0)
-            self.policy.observe_catch_up(fed_back, caught_up_s)
+            for name in self._cost_keys(req, draft):
+                self.costs.observe_catch_up(name, fed_back, caught_up_s)
             draft_s.append(time.perf_counter() - t0 - caught_up_s)
             fed = (seq.tokens[chunk.start:chunk.start + chunk.num_tokens] if chunk.is_prefill
                    else [seq.tokens[-1], *([] if draft is None else draft.tokens[0].tolist())])
@@ -190,38 +215,58 @@ class Engine:
             ids += fed
         # 3. forward: every fed row in one target forward; logits only where a token is chosen
         batch = PagedBatch(rows, self.device)
-        layers = sorted({i for c in chunks if (d := self.requests[c.seq.seq_id].drafter) for i in d.feature_layers})
+        layers = sorted({i for c in chunks for i in self._feature_layers(self.requests[c.seq.seq_id])})
         firsts = [r for r in itertools.accumulate([0] + [n for n, _, _ in rows])][:-1]
         wanted = [list(range(f, f + n)) if not c.is_prefill else
                   ([f + n - 1] if c.start + n == c.seq.prefill_end else []) for c, (n, _, _), f in zip(chunks, rows, firsts)]
-        logit_rows = torch.tensor([r for w in wanted for r in w], dtype=torch.long, device=self.device)
+        every_row = any(self.requests[c.seq.seq_id].capture for c in chunks)  # a capture needs each row's logits
+        logit_rows = None if every_row else torch.tensor([r for w in wanted for r in w], dtype=torch.long,
+                                                         device=self.device)
         t0 = time.perf_counter()
         logits, hidden = self.target.forward_paged(torch.tensor(ids, device=self.device), batch, self.cache,
                                                    logit_rows, tuple(layers))
         if logits.is_cuda:
             torch.cuda.synchronize()
         t_forward = time.perf_counter() - t0
-        self.policy.observe_forward(len(ids), t_forward)
-        # 4-5. accept and commit, request by request
+        self.costs.observe_forward(len(ids), t_forward)
+        # 4-5. accept and commit, request by request (one that fails there fails alone)
         out, at = [], 0
         for chunk, draft, seconds, (n, start, _), first, want in zip(chunks, drafts, draft_s, rows, firsts, wanted):
             req = self.requests[chunk.seq.seq_id]
-            mine = logits[at:at + len(want)]  # [len(want), V]
+            mine = logits[want] if every_row else logits[at:at + len(want)]  # [len(want), V]
             at += len(want)
-            if req.features is not None:
-                req.features[start:start + n] = torch.cat([hidden[i][first:first + n] for i in req.drafter.feature_layers], -1)
-            new = self._accept(req, chunk, draft, mine)
-            req.stats.target_forwards += 1
-            req.stats.target_s += t_forward
-            if chunk.is_prefill:
-                req.stats.prefill_s += time.perf_counter() - t_step  # up to its first token
-            if draft is not None and draft.tokens.shape[1]:
-                self.policy.observe(req.request_id, draft.tokens.shape[1], len(new) - 1, seconds)
-            done = self.scheduler.commit(ScheduledChunk(chunk.seq, chunk.start, n, chunk.is_prefill,
-                                                        chunk.num_draft), new)
+            try:
+                if req.features is not None:
+                    req.features[start:start + n] = torch.cat([hidden[i][first:first + n]
+                                                               for i in self._feature_layers(req)], -1)
+                if req.capture is not None:  # [n, k] for the positions this chunk fed
+                    top = torch.log_softmax(logits[first:first + n], dim=-1).topk(req.capture.topk, dim=-1)
+                    req.topk_ids[start:start + n], req.topk_logp[start:start + n] = top.indices, top.values
+                new = self._accept(req, chunk, draft, mine)
+                req.stats.target_forwards += 1
+                req.stats.target_s += t_forward
+                if chunk.is_prefill:
+                    req.stats.prefill_s += time.perf_counter() - t_step  # up to its first token
+                if draft is not None and draft.tokens.shape[1]:
+                    self.policy.observe(req.request_id, draft.tokens.shape[1], len(new) - 1)
+                    for name in self._cost_keys(req, draft):
+                        self.costs.observe_draft(name, draft.tokens.shape[1], seconds)
+                done = self.scheduler.commit(ScheduledChunk(chunk.seq, chunk.start, n, chunk.is_prefill,
+                                                            chunk.num_draft), new)
+            except Exception as e:  # noqa: BLE001 - e.g. a processor of its own that raised: the others go on
+                out.append(self._fail(req, e))
+                continue
             if new:
                 out.append(self._finish_if_done(req, new, done))
         return out
+
+    def _fail(self, req: Request, error: Exception) -> Request:
+        """End one request whose step failed (finish_reason "error", ``error`` kept): its blocks freed, nothing else
+        touched."""
+        log.error("request %d failed (%s: %s)", req.request_id, type(error).__name__, error, exc_info=error)
+        req.new_tokens, req.finish_reason, req.error = [], "error", error
+        self.abort(req.request_id)
+        return req
 
     def _accept(self, req: Request, chunk: ScheduledChunk, draft, logits: torch.Tensor) -> list[int]:
         """The tokens this chunk commits: none for a middle prefill chunk, the next token after the last one, the
@@ -262,10 +307,26 @@ class Engine:
             self._drop_drafter(req, e)
             return None
 
+    @staticmethod
+    def _feature_layers(req: Request) -> tuple[int, ...]:
+        """The target layers whose hidden states a request keeps: its capture's, or its drafter's."""
+        if req.capture is not None:
+            return req.capture.layers
+        return req.drafter.feature_layers if req.drafter is not None else ()
+
+    @staticmethod
+    def _cost_keys(req: Request, draft: Draft | None) -> set[str]:
+        """The drafters a round's costs belong to: the request's, and the one it delegated the round to (auto)."""
+        if draft is None or req.drafter is None:
+            return set()
+        return {req.drafter.name} | ({draft.source} if draft.source else set())
+
     def _drop_drafter(self, req: Request, error: Exception) -> None:
         log.warning("request %d: drafter %s failed (%s: %s); it decodes on without speculation", req.request_id,
                     type(req.drafter).__name__, type(error).__name__, error, exc_info=error)
-        req.drafter, req.features, req.seq.num_draft_tokens = None, None, 0
+        req.drafter, req.seq.num_draft_tokens = None, 0
+        if req.capture is None:
+            req.features = None
         self.policy.forget(req.request_id)
 
     def _finish_if_done(self, req: Request, new: list[int], done: bool) -> Request:

@@ -7,8 +7,9 @@ origin: the text of the step's accepted draft tokens, then that of the token the
 or bonus token of a verify step, or the token of a plain step). A stop string, or a client gone
 (``Generation.close``), aborts the request in the engine thread, which frees its blocks.
 
-A request that fails fails alone: the Engine isolates a request's failure inside a step, and the runner one in a
-request's detokenising; only a step that raises as a whole fails what runs (``_fail_all``, the last resort).
+A request that fails fails alone: the Engine isolates a request's failure inside a step (its drafter's, or its own
+rows' accept and commit: ``Request.error``), and the runner one in a request's detokenising; only a step that raises
+as a whole (the batched forward) fails what runs (``_fail_all``, the last resort).
 """
 
 from __future__ import annotations
@@ -223,6 +224,10 @@ class Runner:
             if gen is None:
                 continue
             now = now or time.perf_counter()
+            if req.error is not None:  # its step failed in the engine: it fails alone
+                self._live.pop(req.request_id, None)
+                events.append((gen, RuntimeError(f"the request failed: {type(req.error).__name__}: {req.error}")))
+                continue
             try:
                 event = self._event(gen, req, now)
             except Exception as e:  # a bug in this request's detokenising or counting: it fails alone

@@ -7,14 +7,17 @@ forward), then one target forward over K + 1 rows verifies them (``v(K + 1)`` ta
 a one-row forward). With conditional acceptance a_i = P(draft i accepted | drafts 1..i-1 accepted), the round yields
 ``1 + sum_{i<=K} prod_{j<=i} a_j`` tokens, so the speedup over plain decoding is that over ``K * c + v(K + 1)``.
 
-Everything that decides K (spec/policy.py: the engine's batch policy, auto's choice per round, the draft model's
-early stop) and everything that reports it (the bench, head training) reads these functions; none writes its own.
+What was measured lives in one store, :class:`Costs`: the engine owns it, writes it from what it times each step,
+and hands it to every drafter (``DraftRequest.costs``). Everything that decides K (spec/policy.py: the engine's batch
+policy, auto's choice per round, the draft model's early stop) reads that store through these functions, and
+everything that reports K (the bench, head training) reads the functions; none keeps timings or formulas of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+LONG_CATCH_UP = 16  # catch-ups longer than this take the prefill path: learned per token apart (Costs.catch_up)
 VERIFY_SLOPE = 0.03  # prior shape of a forward's cost between measured sizes: +3% per extra row (CPU, bf16;
 # the bf16 target's v(T): docs/BENCHMARKS.md, "bf16 (dequantized) target")
 
@@ -85,3 +88,54 @@ def predicted_speedup(rates: Sequence[float | None], c: float, curve: Mapping[in
         raise ValueError("curve must contain a positive value for 1 row")
     K = len(rates)
     return expected_tokens(rates) / (K * c + interpolate(curve, K + 1) / curve[1])
+
+
+class Costs:
+    """The one store of measured costs, owned by the engine (kept across its requests) and handed to every drafter in
+    its DraftRequest. The engine alone writes it, from what it times each step; the policy, auto and the draft
+    model's early stop read it, in seconds:
+
+    - ``forward``: rows of a target forward -> EMA seconds of that forward;
+    - ``round``: verify size T = K + 1 -> EMA seconds of a request's round besides drafting (its verify forward and
+      the bookkeeping around it: a round's fixed cost, which weighs against ending a round early); in a batch, the
+      step every request in it waited for, other requests' drafting included;
+    - ``draft``: drafter name -> EMA seconds per drafted token, catch-ups excluded;
+    - ``catch_up``: (drafter name, long) -> EMA seconds per token a drafter feeds to catch up on committed tokens it
+      had not read (long: more than LONG_CATCH_UP tokens, a prompt: learned apart, far cheaper per token).
+    """
+
+    def __init__(self, decay: float = 0.8):
+        self.decay = decay
+        self.forward: dict[int, float] = {}
+        self.round: dict[int, float] = {}
+        self.draft: dict[str, float] = {}
+        self.catch_up: dict[tuple[str, bool], float] = {}
+
+    def observe_forward(self, rows: int, seconds: float) -> None:
+        self.forward[rows] = ema(self.forward.get(rows), seconds, self.decay)
+
+    def observe_round(self, T: int, seconds: float) -> None:
+        self.round[T] = ema(self.round.get(T), seconds, self.decay)
+
+    def observe_draft(self, name: str, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            self.draft[name] = ema(self.draft.get(name), seconds / tokens, self.decay)
+
+    def observe_catch_up(self, name: str, tokens: int, seconds: float) -> None:
+        if tokens > 0:
+            key = (name, tokens > LONG_CATCH_UP)
+            self.catch_up[key] = ema(self.catch_up.get(key), seconds / tokens, self.decay)
+
+    def step_s(self) -> float | None:
+        """Seconds of about one plain target step: the cheapest round measured (else a forward of 1 row); None
+        before any."""
+        if self.round:
+            return min(self.round.values())
+        return interpolate(self.forward, 1) if self.forward else None
+
+    def catch_up_s(self, name: str, lag: int, prior_per_token: float) -> float:
+        """Seconds drafter ``name`` would spend feeding ``lag`` tokens it has not read (``prior_per_token`` before
+        it was measured)."""
+        if lag <= 0:
+            return 0.0
+        return lag * self.catch_up.get((name, lag > LONG_CATCH_UP), prior_per_token)

@@ -30,12 +30,11 @@ catch-up stalls the batch for at most RETRY_MAX_CATCH_UP of its tokens.
 
 from __future__ import annotations
 
-from .costs import ema, expected_tokens, interpolate, joint, slope
+from .costs import LONG_CATCH_UP, Costs, ema, expected_tokens, interpolate, joint, slope
 
 PRIOR_C = 0.25  # draft seconds per drafted token / target seconds per step, before a drafter ran: between the 0.5B
 # draft's measured c on the bf16 and on the native 1.5B target (docs/BENCHMARKS.md, "Draft model")
 PRIOR_CATCH_UP = 0.03  # the same for each token of a catch-up (fed together: cheap per token)
-LONG_CATCH_UP = 16  # catch-ups longer than this take the prefill path: a one-off, learned per token apart
 NO_SPEC_RETRY = 4  # plain rounds in a row before the best drafter drafts again; doubled after each losing retry
 NO_SPEC_RETRY_MAX = 64  # the longest wait between retries
 RETRY_MAX_CATCH_UP = 2.0  # a retry may first spend this many target steps catching up, no more
@@ -89,21 +88,32 @@ def worth_another_draft(chances: list[float], t_draft: float, t_verify: dict[int
 
 
 class DraftLengthController:
-    """Per-position acceptance (EMA, from a prior), seconds per drafted token and the target's verify cost by
-    forward size, for one drafter in one request (or per n-gram match length): the K with the best expected rate."""
+    """Per-position acceptance (EMA, from a prior) of one drafter in one request (or per n-gram match length), and the
+    K with the best expected rate given the measured costs it reads (``costs``: seconds per drafted token of drafter
+    ``name``, a round's verify cost by size)."""
 
     def __init__(self, k_min: int, k_max: int, prior_acceptance: float = 0.6, decay: float = 0.8,
-                 t_verify: dict[int, float] | None = None):
+                 costs: Costs | None = None, name: str = ""):
         if not 1 <= k_min <= k_max:
             raise ValueError(f"need 1 <= min draft tokens <= max draft tokens, got {k_min}, {k_max}")
         self.k_min, self.k_max, self.prior, self.decay = k_min, k_max, prior_acceptance, decay
         self.acceptance: list[float | None] = [None] * k_max  # EMA of P(accept i | 1..i-1 accepted)
-        self.t_draft: float | None = None  # EMA seconds per drafted token
-        # forward size T -> EMA seconds; a dict passed in is shared (the target's cost, whoever drafted)
-        self.t_verify: dict[int, float] = {} if t_verify is None else t_verify
+        self.rounds = 0  # rounds judged: 0 = no record of its own yet
+        self.costs, self.name = Costs() if costs is None else costs, name
 
-    def _ema(self, old: float | None, new: float) -> float:
-        return ema(old, new, self.decay)
+    @property
+    def t_draft(self) -> float | None:
+        """Seconds per drafted token of its drafter (the store's), None before one drafted."""
+        return self.costs.draft.get(self.name)
+
+    @t_draft.setter
+    def t_draft(self, seconds: float) -> None:
+        self.costs.draft[self.name] = seconds
+
+    @property
+    def t_verify(self) -> dict[int, float]:
+        """Verify size T -> seconds of a round besides drafting (the store's)."""
+        return self.costs.round
 
     def rates(self) -> list[float]:
         """Per-position estimates; a position never judged takes the last judged one's (then the prior)."""
@@ -122,7 +132,8 @@ class DraftLengthController:
         if not self.t_verify:
             return 0.0
         per_token = self.t_draft if self.t_draft is not None else (t_draft or 0.0)
-        return expected_tokens(self.rates()[:K]) / (K * per_token + self.verify_seconds(K + 1) + extra_s)
+        seconds = K * per_token + self.verify_seconds(K + 1) + extra_s
+        return expected_tokens(self.rates()[:K]) / max(seconds, 1e-9)  # a clock too coarse to see a round: no 0
 
     def choose(self, k_cap: int) -> int:
         """K in [k_min, min(k_max, k_cap)] with the best expected rate (the largest before any measurement)."""
@@ -132,42 +143,44 @@ class DraftLengthController:
             return hi
         return max(range(lo, hi + 1), key=lambda k: (self.tokens_per_second(k), -k))
 
-    def observe(self, K: int, num_accepted: int, draft_s: float, verify_s: float) -> None:
+    def observe(self, K: int, num_accepted: int) -> None:
+        """A round of K drafts, of which the first num_accepted were accepted."""
         # position i was judged iff all before it were accepted; its estimate starts from the prior, so that
         # one unlucky first round does not read as "never accepted" (and switch the drafter off for good)
         if K > self.k_max:
             raise ValueError(f"a round of {K} drafts exceeds the bound of {self.k_max} this controller was sized by")
         before = self.rates()
         for i in range(min(num_accepted + 1, K)):
-            self.acceptance[i] = self._ema(before[i], float(i < num_accepted))
-        if K:
-            self.t_draft = self._ema(self.t_draft, draft_s / K)
-        self.t_verify[K + 1] = self._ema(self.t_verify.get(K + 1), verify_s)
+            self.acceptance[i] = ema(before[i], float(i < num_accepted), self.decay)
+        self.rounds += K > 0
 
 
 class SpecPolicy:
-    """The measured costs (forward seconds per row count) and, per request, a DraftLengthController."""
+    """K per request in a batch, from the measured costs (``costs``, the engine's store) and, per request, a
+    DraftLengthController of its acceptance."""
 
-    def __init__(self):
-        self.t_forward: dict[int, float] = {}  # rows in the target forward -> EMA seconds
-        self.controllers: dict[int, DraftLengthController] = {}  # request id -> its acceptance and draft cost
+    def __init__(self, costs: Costs | None = None):
+        self.costs = Costs() if costs is None else costs
+        self.controllers: dict[int, DraftLengthController] = {}  # request id -> its acceptance
         self.idle: dict[int, tuple[int, int]] = {}  # request id -> (steps without drafts, steps before a retry)
-        self.t_draft: float | None = None  # EMA seconds per drafted token over all requests: where a new one starts
-        self.bounds: dict[int, int] = {}  # request id -> the most it may draft a step
-        self.t_catch_up: float | None = None  # EMA seconds per token of a drafter's long catch-up (a prompt)
+        self.bounds: dict[int, tuple[int, str]] = {}  # request id -> (the most it may draft a step, its drafter)
 
-    def admit(self, request_id: int, bound: int) -> None:
-        """A request that may draft up to ``bound`` tokens a step (its K, set once by Engine.add)."""
-        self.bounds[request_id] = bound
+    @property
+    def t_forward(self) -> dict[int, float]:
+        return self.costs.forward
+
+    def admit(self, request_id: int, bound: int, drafter: str = "") -> None:
+        """A request that may draft up to ``bound`` tokens a step (its K, set once by Engine.add) with the drafter
+        of that name (its cost per drafted token is the store's)."""
+        self.bounds[request_id] = (bound, drafter)
 
     def controller(self, request_id: int, k_max: int) -> DraftLengthController:
         """A request's estimates, sized by its bound (never by one step's budget-cut K); made at its first use, it
         starts from the prior acceptance and from the draft cost earlier requests measured by then (its drafts are
         not free before its first round)."""
         if request_id not in self.controllers:
-            size = max(self.bounds.get(request_id, 0), k_max, 1)
-            self.controllers[request_id] = ctl = DraftLengthController(1, size)
-            ctl.t_draft = self.t_draft
+            bound, name = self.bounds.get(request_id, (0, ""))
+            self.controllers[request_id] = DraftLengthController(1, max(bound, k_max, 1), costs=self.costs, name=name)
         return self.controllers[request_id]
 
     def forget(self, request_id: int) -> None:
@@ -175,31 +188,21 @@ class SpecPolicy:
         self.idle.pop(request_id, None)
         self.bounds.pop(request_id, None)
 
-    def observe_forward(self, rows: int, seconds: float) -> None:
-        self.t_forward[rows] = ema(self.t_forward.get(rows), seconds)
-
-    def observe_catch_up(self, tokens: int, seconds: float) -> None:
-        """A drafter spent ``seconds`` catching up on ``tokens`` it had skipped (learned per token when long)."""
-        if tokens > LONG_CATCH_UP:
-            self.t_catch_up = ema(self.t_catch_up, seconds / tokens)
-
-    def catch_up(self, lag: int, tokens_left: int) -> tuple[float, float]:
-        """(seconds a drafter ``lag`` tokens behind would first spend catching up, that cost's share of this step).
-        A long catch-up (a draft model that has not read the prompt) is a one-off, spread over the steps left
-        (``tokens_left`` new tokens, ~2 a drafting step)."""
+    def catch_up(self, drafter: str, lag: int, tokens_left: int) -> tuple[float, float]:
+        """(seconds drafter ``drafter``, ``lag`` tokens behind, would first spend catching up, that cost's share of
+        this step). A long catch-up (a draft model that has not read the prompt) is a one-off, spread over the steps
+        left (``tokens_left`` new tokens, ~2 a drafting step)."""
         if lag <= 0 or not self.t_forward:
             return 0.0, 0.0
-        per_token = self.t_catch_up if self.t_catch_up is not None else PRIOR_CATCH_UP * interpolate(self.t_forward, 1)
-        seconds = lag * per_token
+        seconds = self.costs.catch_up_s(drafter, lag, PRIOR_CATCH_UP * interpolate(self.t_forward, 1))
         if lag <= LONG_CATCH_UP:
             return seconds, seconds
         return seconds, seconds / max(tokens_left / 2, 1.0)
 
-    def observe(self, request_id: int, k: int, num_accepted: int, draft_s: float) -> None:
-        """A request drafted k tokens in draft_s seconds and the verifier accepted num_accepted of them."""
+    def observe(self, request_id: int, k: int, num_accepted: int) -> None:
+        """A request drafted k tokens and the verifier accepted num_accepted of them."""
         if k and request_id in self.controllers:
-            self.controllers[request_id].observe(k, num_accepted, draft_s, 0.0)
-            self.t_draft = ema(self.t_draft, draft_s / k)
+            self.controllers[request_id].observe(k, num_accepted)
 
     def choose(self, wanted: dict[int, int], base_rows: int, catch_up: dict[int, tuple[float, float]] | None = None,
                seqs: int | None = None) -> dict[int, int]:

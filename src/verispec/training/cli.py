@@ -47,7 +47,7 @@ def add_train_parser(sub) -> None:
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", choices=sorted(RECIPES), default="eagle3", help="the head's family (default eagle3)")
     p.add_argument("--target", default=DEFAULT_TARGET, help=f"model name, HF directory or .gguf (default: {DEFAULT_TARGET})")
-    p.add_argument("--data", nargs="+", required=True, metavar="FILE_OR_DIR",
+    p.add_argument("--data", nargs="+", default=[], metavar="FILE_OR_DIR",
                    help="training text: directories (every text file under them), text files, or JSONL with "
                         '"text", "messages" (a conversation) or "prompt" (the target answers it: self-distillation)')
     p.add_argument("--out", required=True, help="directory for the head (config.json + model.safetensors), "
@@ -60,7 +60,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--steps", type=_positive, default=d.steps, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--features", default=None, metavar="DIR", help="feature shards (default: OUT/features)")
+    p.add_argument("--features", default=None, metavar="DIR",
+                   help="feature shards (default: OUT/features); shards `verispec distill --features DIR` captured "
+                        "while generating are trained on as they are (no --data, no extraction)")
     p.add_argument("--extract-tokens", type=_positive, default=262144, help="training tokens to extract (default 262144)")
     p.add_argument("--heldout-tokens", type=_positive, default=8192, help="held-out tokens (default 8192)")
     p.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (default 512)")
@@ -71,8 +73,9 @@ def add_train_parser(sub) -> None:
                    help=f"training-time test: steps the head is unrolled on its own outputs (default {d.ttt_steps})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
     p.add_argument("--batch", type=_positive, default=d.batch, help="sequences per step and process (default 1)")
-    p.add_argument("--init", choices=["target", "random"], default=d.init,
-                   help="the head's layer starts as the target's last layer (default) or random")
+    p.add_argument("--init", default=d.init, metavar="target|random|HEAD_DIR",
+                   help="the head's layer starts as the target's last layer (default), random, or as the head in "
+                        "HEAD_DIR (continual training: its family, layers and draft vocabulary; e.g. the shipped one)")
     p.add_argument("--ckpt-every", type=_positive, default=d.ckpt_every, help="steps between checkpoints")
     p.add_argument("--eval-every", type=_positive, default=d.eval_every, help="steps between held-out evaluations")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
@@ -82,6 +85,7 @@ def add_train_parser(sub) -> None:
 def run_train(args) -> int:
     import torch
 
+    from ..heads.io import read_head
     from ..llm import LLM
     from ..models.loader import load
     from .extract import extract
@@ -95,6 +99,12 @@ def run_train(args) -> int:
         probe.unlink()
     except OSError as e:
         raise VerispecError(f"--out {out}: not writable ({e.strerror or e})") from None
+    from .capture import captured
+
+    features = Path(args.features) if args.features else out / "features"
+    capture = captured(features)
+    if not args.data and capture is None:
+        raise VerispecError("--data: training text needed (or --features DIR with shards captured by verispec distill)")
     for path in args.data:
         if not Path(path).exists():
             raise VerispecError(f"--data {path}: no such file or directory")
@@ -109,14 +119,33 @@ def run_train(args) -> int:
 
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     progress = not args.no_progress
-    features = Path(args.features) if args.features else out / "features"
 
     # 1. features: the target as inference runs it (native GGUF weights on CPU)
     recipe = RECIPES[args.arch]
     llm = LLM(args.target, progress=progress and rank == 0)
+    start = None  # continual training: the head to start from
+    if args.init not in ("target", "random"):
+        if not Path(args.init).is_dir():
+            raise VerispecError(f"--init {args.init}: not 'target', 'random' or a head directory")
+        start, start_has_lm_head = read_head(args.init, llm.target.config, str(llm.target.source))
+        if start.config.family != recipe.head.Config.family:
+            raise VerispecError(f"--init {args.init}: a {start.config.family} head, but --arch is {args.arch}")
+        if args.layers is not None and tuple(args.layers) != tuple(start.config.layers):
+            raise VerispecError(f"--layers {','.join(map(str, args.layers))}: the head in {args.init} reads layers "
+                                f"{','.join(map(str, start.config.layers))}")
+        args.layers, args.draft_vocab = tuple(start.config.layers), start.config.draft_vocab_size
+    if capture is not None:  # captured while generating: trained on as they are
+        kept = tuple(capture["layers"])
+        if args.layers is not None and tuple(args.layers) != kept:
+            raise VerispecError(f"--features {features} holds layers {','.join(map(str, kept))}, not "
+                                f"{','.join(map(str, args.layers))}")
+        if capture["hidden_size"] != llm.target.config.hidden_size:
+            raise VerispecError(f"--features {features} was captured from another target ({capture['target']})")
+        args.layers = kept
     layers = recipe.head.Config.for_target(llm.target.config, args.layers, 1).layers  # checks the layer numbers
-    report = extract(llm, args.data, features, layers, args.seq_len, args.extract_tokens, args.heldout_tokens,
-                     args.topk, args.seed, args.self_distill_tokens, rank, world, progress)
+    report = {} if capture is not None else extract(
+        llm, args.data, features, layers, args.seq_len, args.extract_tokens, args.heldout_tokens, args.topk,
+        args.seed, args.self_distill_tokens, rank, world, progress)
     for split, r in report.items():
         if r["sequences"] and rank == 0:
             print(f"extracted {r['sequences'] * args.seq_len} {split} tokens in {r['seconds']} s "
@@ -131,10 +160,17 @@ def run_train(args) -> int:
     target = load(args.target, torch.bfloat16, "cpu", progress=False, weights="dequantized")
     train, heldout = load_split(features, "train"), load_split(features, "heldout")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
-    head = recipe.build(target.config, layers, cfg.draft_vocab)
+    if start is not None:  # its weights and draft vocabulary as they are; the LM head rows the target's
+        head = start
+        if not start_has_lm_head:
+            head.freeze_target_rows(target.model)
+        head.lm_head.weight.requires_grad_(False)
+    else:
+        head = recipe.build(target.config, layers, cfg.draft_vocab)
+        head.d2t = draft_vocabulary(train["topk_ids"][..., 0], head.config.draft_vocab_size, head.config.vocab_size,
+                                    eos)
+        recipe.init(head, target.model, cfg.init, cfg.seed)
     hc = head.config
-    head.d2t = draft_vocabulary(train["topk_ids"][..., 0], hc.draft_vocab_size, hc.vocab_size, eos)
-    recipe.init(head, target.model, cfg.init, cfg.seed)
     head.attach_embedding(target.model.embed_tokens)
     trainer = Trainer(head, cfg, train, heldout, out, rank, world,
                       log=lambda line: print(line, file=sys.stderr))

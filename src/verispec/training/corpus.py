@@ -1,8 +1,9 @@
 """Training text for draft heads: files, directories and JSONL, cut into fixed-length token sequences.
 
 A source is a directory (every text file under it: .py .md .rst .txt .c .h .js .json ...), a single text file, or a
-JSONL file whose records carry ``"text"`` (plain text), ``"messages"`` (a conversation, put through the chat
-template as it stands) or ``"prompt"`` (self-distillation: the target answers it, greedily, and the sequence is the
+JSONL file (or ``.jsonl.xz``) whose records carry ``"text"`` (plain text), ``"messages"`` (a conversation, put
+through the chat template as it stands; with ``"answer"``, as `verispec distill` writes them, that answer is the
+assistant's last turn) or ``"prompt"`` (self-distillation: the target answers it, greedily, and the sequence is the
 templated prompt plus that answer). Documents are interleaved across sources in a seeded order, so any prefix of
 the token budget holds some of each; a stable ~2% of documents (by name) is held out, never trained on.
 """
@@ -47,7 +48,7 @@ def read_source(path: Path) -> list[Document]:
         raise VerispecError(f"--data {path}: no such file or directory")
     docs = []
     for f in _files(path):
-        if f.suffix == ".jsonl":
+        if f.name.endswith((".jsonl", ".jsonl.xz")):
             docs += _jsonl(f)
             continue
         try:
@@ -60,19 +61,24 @@ def read_source(path: Path) -> list[Document]:
 
 
 def _jsonl(f: Path) -> list[Document]:
+    import lzma
+
     docs = []
-    for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+    text = lzma.open(f, "rt", encoding="utf-8").read() if f.suffix == ".xz" else f.read_text(encoding="utf-8")
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             raise VerispecError(f"--data {f}:{n}: not JSON ({e.msg})") from None
-        name = f"{f}:{n}"
+        name = str(rec["id"]) if isinstance(rec, dict) and "id" in rec else f"{f}:{n}"  # held out by id, not line
         if isinstance(rec, dict) and isinstance(rec.get("text"), str):
             docs.append(Document(name, text=rec["text"]))
         elif isinstance(rec, dict) and isinstance(rec.get("messages"), list):
-            docs.append(Document(name, messages=rec["messages"]))
+            answer = rec.get("answer")
+            turns = rec["messages"] + ([{"role": "assistant", "content": answer}] if isinstance(answer, str) else [])
+            docs.append(Document(name, messages=turns))
         elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             docs.append(Document(name, prompt=rec["prompt"]))
         else:

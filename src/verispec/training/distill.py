@@ -1,7 +1,10 @@
 """Self-distillation text: the target answers training prompts through the batched engine, and each answer is
 appended to a JSONL corpus (prompt turns + answer + how it was made). Resumable: a task whose id is in the file is
-not asked again. ``verispec distill`` runs it; the corpus is the text, features are rebuilt from it when a head
-trains.
+not asked again. ``verispec distill`` runs it; the corpus is the text. With ``--features DIR`` the same forwards
+that write each answer also keep a draft head's training inputs for every position of it, prompt included (the
+target's hidden states after the head's layers and its top-k log-probabilities: training/capture.py), as shards that
+`train-head --features DIR` reads without an extraction pass; otherwise features are rebuilt from the text when a
+head trains.
 
 Many requests run at once (continuous batching: a step of 8 rows costs ~3 one-row steps on 2 cores), half of them
 greedy and half sampled at a temperature in [0.7, 1.0] (a head serves both). Magpie turns are written by the target
@@ -14,6 +17,8 @@ import json
 import random
 import sys
 from pathlib import Path
+
+import torch
 
 from ..config import SamplingParams
 from ..errors import VerispecError
@@ -49,18 +54,23 @@ def magpie_prefix(codec, lead: str) -> list[int]:
 
 
 class Distiller:
-    def __init__(self, llm, out: Path, concurrency: int = 8, max_new_tokens: int = 384, magpie_share: float = 0.4,
+    def __init__(self, llm, out: Path, concurrency: int = 8, max_new_tokens: int = 384, magpie_share: float = 0.5,
                  follow_up_share: float = 0.2, seed: int = 0, kv_cache_tokens: int = 24576,
-                 tasks: list[T.Task] | None = None):
+                 tasks: list[T.Task] | None = None, features=None):
         from ..engine import Engine
 
         self.llm, self.out, self.concurrency, self.max_new = llm, out, concurrency, max_new_tokens
+        self.features = features  # a FeatureWriter (training/capture.py): keep each answer's rows, or None
         self.rng = random.Random(seed)
         self.magpie_share, self.follow_up_share = magpie_share, follow_up_share
         self.engine = Engine(llm.target.model, kv_cache_tokens // BLOCK_SIZE, BLOCK_SIZE, max_num_seqs=concurrency,
                              max_num_batched_tokens=512, logit_mask=llm.logit_mask, eos_token_ids=llm.eos_token_ids)
         self.suite = T.suite_shingles()
-        self.done = set(read_corpus(out))
+        corpus = read_corpus(out)
+        self.done = set(corpus)
+        self.by_category: dict[str, int] = {}  # answer tokens per category: magpie turns go where they are fewest
+        for r in corpus.values():
+            self.by_category[r["category"]] = self.by_category.get(r["category"], 0) + r["answer_tokens"]
         self.seen_turns: set[str] = set()
         self.queue = [t for t in (T.seeded_tasks(seed) if tasks is None else tasks) if t.id not in self.done]
         self.follow_ups: list[T.Task] = []
@@ -73,7 +83,7 @@ class Distiller:
             return self.follow_ups.pop()
         if self.magpie_share and (self.rng.random() < self.magpie_share or not self.queue):
             self.n_magpie += 1
-            return T.magpie_task(self.rng, self.n_magpie)
+            return T.magpie_task(self.rng, self.n_magpie, self.by_category)
         while self.queue:
             task = self.queue.pop()
             if not T.overlaps_suite(task.messages[-1]["content"], self.suite):
@@ -94,7 +104,8 @@ class Distiller:
                                     self.rng.randrange(1 << 31))
         if len(ids) + params.max_new_tokens > 4096:
             return
-        req = self.engine.add(ids, params)
+        capture = self.features.capture if self.features is not None and task.magpie_lead is None else None
+        req = self.engine.add(ids, params, capture=capture)
         self.live[req.request_id] = (task, params, req, ids)
 
     def _finish(self, task: T.Task, params: SamplingParams, req, ids: list[int], fh) -> None:
@@ -113,7 +124,13 @@ class Distiller:
                   "prompt_tokens": len(ids), "answer_tokens": len(req.output_ids)}
         fh.write(json.dumps(record, ensure_ascii=False) + "\n")
         fh.flush()
+        if self.features is not None:  # every fed position: all but the last token
+            n = len(ids) + len(req.output_ids) - 1
+            self.features.add(task.id, {"tokens": torch.tensor(req.seq.tokens[:n], dtype=torch.int32),
+                                        "features": req.features[:n].to(torch.bfloat16),
+                                        "topk_ids": req.topk_ids[:n], "topk_logp": req.topk_logp[:n]})
         self.written_tokens += len(req.output_ids)
+        self.by_category[task.category] = self.by_category.get(task.category, 0) + len(req.output_ids)
         if task.source != "follow-up" and text.strip() and self.rng.random() < self.follow_up_share:
             self.follow_ups.append(T.follow_up(task, text, self.rng))
 
@@ -143,6 +160,7 @@ class Distiller:
 
 def add_distill_parser(sub) -> None:
     from ..models.registry import DEFAULT_TARGET
+    from .cli import _layers
 
     p = sub.add_parser("distill", help="the target answers training prompts (self-distillation text for draft heads)",
                        description=__doc__.split("\n\n")[0])
@@ -153,6 +171,13 @@ def add_distill_parser(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=384, help="longest answer (default 384)")
     p.add_argument("--seed", type=int, default=0, help="task order and sampling (default 0)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    p.add_argument("--features", default=None, metavar="DIR",
+                   help="also keep a draft head's training inputs from the same forwards, as shards in DIR that "
+                        "`train-head --features DIR` reads (hidden states after --layers, top-k log-probabilities)")
+    p.add_argument("--layers", type=_layers, default=None, metavar="I,J,K",
+                   help="with --features: target residual streams to keep (default: the EAGLE-3 head's, 2, L/2, L-3)")
+    p.add_argument("--topk", type=int, default=16, help="with --features: log-probabilities kept per position")
+    p.add_argument("--seq-len", type=int, default=512, help="with --features: tokens per training sequence")
     p.add_argument("--pack", action="store_true",
                    help="instead: compress --out to OUT.xz with a manifest (tokens per category and source)")
 
@@ -210,7 +235,19 @@ def run_distill(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(args.target)
-    d = Distiller(llm, out, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, seed=args.seed)
+    writer = None
+    if args.features is not None:
+        from ..engine import Capture
+        from ..heads.eagle3 import Eagle3Config
+        from .capture import FeatureWriter
+        for name in ("topk", "seq_len"):
+            if getattr(args, name) < 1:
+                raise VerispecError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        layers = Eagle3Config.for_target(llm.target.config, args.layers, 1).layers  # checks the layer numbers
+        writer = FeatureWriter(Path(args.features), Capture(tuple(layers), args.topk), args.seq_len,
+                               str(llm.target.source), llm.target.config.hidden_size)
+    d = Distiller(llm, out, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                  features=writer)
     n = d.run(args.tokens)
     print(f"wrote {n} answer tokens to {out}", file=sys.stderr)
     return 0

@@ -73,24 +73,30 @@ def features_of(model, ids: list[int], layers: tuple[int, ...], topk: int) -> di
             "topk_ids": top.indices.int().cpu(), "topk_logp": top.values.half().cpu()}
 
 
-def extract(llm, data: list[str], features_dir: Path, layers: tuple[int, ...], seq_len: int, max_tokens: int,
-            heldout_tokens: int, topk: int, seed: int, self_distill_tokens: int = 256, rank: int = 0,
-            world: int = 1, progress: bool = True) -> dict:
-    """Write train-* and heldout-* shards under features_dir until max_tokens / heldout_tokens are there."""
-    settings = {"layers": list(layers), "seq_len": seq_len, "topk": topk, "seed": seed, "data": list(data),
-                "target": str(llm.target.source), "hidden_size": llm.target.config.hidden_size}
+def record_settings(features_dir: Path, settings: dict, write: bool = True) -> None:
+    """features.json: how the shards under ``features_dir`` were made. Written once (``write``: by one process),
+    then checked: a directory holding shards made otherwise is an error, never a mix."""
     features_dir.mkdir(parents=True, exist_ok=True)
     manifest = features_dir / "features.json"
     if manifest.exists():
         old = json.loads(manifest.read_text())
         if old != settings:
             diff = next(k for k in settings if old.get(k) != settings[k])
-            raise VerispecError(f"{features_dir} holds features extracted with other settings ({diff}: "
+            raise VerispecError(f"{features_dir} holds features made with other settings ({diff}: "
                                 f"{old.get(diff)!r} there, {settings[diff]!r} now): use another --features dir")
-    elif rank == 0:  # whole or not at all: another rank may be reading it right now
+    elif write:  # whole or not at all: another rank may be reading it right now
         tmp = manifest.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(settings, indent=1) + "\n")
         tmp.rename(manifest)
+
+
+def extract(llm, data: list[str], features_dir: Path, layers: tuple[int, ...], seq_len: int, max_tokens: int,
+            heldout_tokens: int, topk: int, seed: int, self_distill_tokens: int = 256, rank: int = 0,
+            world: int = 1, progress: bool = True) -> dict:
+    """Write train-* and heldout-* shards under features_dir until max_tokens / heldout_tokens are there."""
+    settings = {"layers": list(layers), "seq_len": seq_len, "topk": topk, "seed": seed, "data": list(data),
+                "target": str(llm.target.source), "hidden_size": llm.target.config.hidden_size}
+    record_settings(features_dir, settings, write=rank == 0)
     docs = read_corpus(data, seed)
     encode = make_encoder(llm, self_distill_tokens, features_dir / f"distilled-r{rank}.jsonl")
     sep = llm.eos_token_ids[-1] if llm.eos_token_ids else 0

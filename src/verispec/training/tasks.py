@@ -182,8 +182,12 @@ def seeded_tasks(seed: int = 0) -> list[Task]:
     return tasks
 
 
-def magpie_task(rng: random.Random, n: int) -> Task:
-    category = rng.choice(sorted(LEADS))
+def magpie_task(rng: random.Random, n: int, tokens: dict[str, int] | None = None) -> Task:
+    """A user turn for the target to write, in a category drawn with weight 1 / (its answer tokens so far + 5000):
+    the categories the local text feeds least (roleplay, qa, reasoning) catch up with code and prose."""
+    names = sorted(LEADS)
+    tokens = tokens or {}
+    category = rng.choices(names, weights=[1.0 / (tokens.get(c, 0) + 5000) for c in names])[0]
     lead = rng.choice(LEADS[category])
     return Task(_id("magpie", str(n), lead), category, "magpie", magpie_lead=lead)
 
