@@ -2,8 +2,7 @@
 
 Both run in float32 on the same converted directory (``registry.pull`` gives it), with prompt ids
 produced independently by the HF tokenizer. Our runs come first (slow/conftest.py, once per session,
-shared with test_real_speculative.py); transformers' model then loads once per module (with ours, ~14 GB
-in memory).
+shared with test_real_speculative.py, and let go); transformers' model then loads once per module (~7 GB).
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ def hf_prompt_ids(model_dir):
 def ours(float32_outputs):
     """Our greedy outputs for every prompt (slow/conftest.py: the float32 runs shared with
     test_real_speculative.py)."""
-    return {key: ar for key, (ar, _) in float32_outputs.items()}
+    return {key: ar for key, (ar, _, _) in float32_outputs.items()}
 
 
 @pytest.fixture(scope="module")

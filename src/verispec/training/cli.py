@@ -75,7 +75,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--batch", type=_positive, default=d.batch, help="sequences per step and process (default 1)")
     p.add_argument("--init", default=d.init, metavar="target|random|HEAD_DIR",
                    help="the head's layer starts as the target's last layer (default), random, or as the head in "
-                        "HEAD_DIR (continual training: its family, layers and draft vocabulary; e.g. the shipped one)")
+                        "HEAD_DIR (continual training, e.g. of the shipped one: its family, layers and vocabulary "
+                        "size; the draft tokens are chosen again from this data)")
     p.add_argument("--ckpt-every", type=_positive, default=d.ckpt_every, help="steps between checkpoints")
     p.add_argument("--eval-every", type=_positive, default=d.eval_every, help="steps between held-out evaluations")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
@@ -160,9 +161,12 @@ def run_train(args) -> int:
     target = load(args.target, torch.bfloat16, "cpu", progress=False, weights="dequantized")
     train, heldout = load_split(features, "train"), load_split(features, "heldout")
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
-    if start is not None:  # its weights and draft vocabulary as they are; the LM head rows the target's
+    if start is not None:  # its weights as they are
         head = start
-        if not start_has_lm_head:
+        if not start_has_lm_head:  # its LM head is the target's rows for its draft vocabulary: the vocabulary is
+            # chosen again from this data (the target's rows fit any choice; the old one may miss this data's tokens)
+            head.d2t = draft_vocabulary(train["topk_ids"][..., 0], head.config.draft_vocab_size,
+                                        head.config.vocab_size, eos)
             head.freeze_target_rows(target.model)
         head.lm_head.weight.requires_grad_(False)
     else:
