@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='a conversation instead of a prompt: a JSON list of {"role": "system" | "user" | "assistant", '
                         '"content": ...} ending with the user\'s, put through the chat template (\'-\' reads stdin)')
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as the last line')
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="each new token's log-probability and its row's N likeliest tokens (0-20): in --json's "
+                        '"logprobs", else one line a token on stderr')
     g.add_argument("--no-stream", action="store_true", help="print the text at the end instead of streaming")
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching (the serve extra)")
@@ -102,7 +105,8 @@ def cmd_generate(args) -> int:
 
     prompt = read_prompt(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop])
+                            top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop],
+                            logprobs=args.logprobs)
     llm = LLM(**engine_options(args))
     kw = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, chat=args.chat, system=args.system,
               **spec_options(args))
@@ -115,9 +119,17 @@ def cmd_generate(args) -> int:
             print(piece, end="", flush=True)
         print()
         out = llm.last_output
+    logprobs = None if out.logprobs is None else [
+        {"token": lp.token, "text": llm.codec.decode([lp.token]), "logprob": lp.logprob,
+         "top_logprobs": [{"token": t, "text": llm.codec.decode([t]), "logprob": v} for t, v in lp.top]}
+        for lp in out.logprobs]
     if args.json:
-        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}))
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "stats": out.stats}
+                         | ({"logprobs": logprobs} if logprobs is not None else {})))
     else:
+        for lp in logprobs or []:
+            top = "  ".join(f"{t['text']!r} {t['logprob']:.3f}" for t in lp["top_logprobs"])
+            print(f"{lp['text']!r}\t{lp['logprob']:.4f}" + (f"\t[{top}]" if top else ""), file=sys.stderr)
         s = out.stats
         spec = (f", tau {s['mean_accepted_length']:.2f}, alpha {s['acceptance_rate']:.2f}"
                 if "acceptance_rate" in s else "")

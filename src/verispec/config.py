@@ -57,6 +57,7 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default=())
     ignore_eos: bool = False
+    logprobs: int | None = None  # report each new token's log-probability and this many alternatives (0-20)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -72,6 +73,8 @@ class SamplingParams:
                f"top_p must be in (0, 1], got {self.top_p!r}")
         _check(self.seed is None or _is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
+        _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
+               f"logprobs must be an integer in 0..20, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ from .models.loader import LoadedModel, auto_dtype, load
 from .models.registry import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
 from .spec.costs import Costs
 from .frontend import fit_context
+from .sampling import TokenLogprob
 from .stopping import StopChecker
 from .tokenizer import Codec
 
@@ -36,6 +37,8 @@ class GenerationOutput:
     stats: dict
     finish_reason: str  # "eos" | "stop" | "length"
     prompt_token_ids: list[int] = field(default_factory=list)
+    # with SamplingParams(logprobs=N): one per token of token_ids, the target's own (sampling/logprobs.py)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class LLM:
@@ -249,8 +252,9 @@ class LLM:
         stats = req.stats
         stats.wall_s = time.perf_counter() - t0
         stats.new_tokens = len(stopper.token_ids)
+        logprobs = req.logprobs[:len(stopper.token_ids)] if params.logprobs is not None else None
         self._last = GenerationOutput(stopper.finalize(), stopper.token_ids, stats.as_dict(),
-                                      stopper.finish_reason, prompt_ids)
+                                      stopper.finish_reason, prompt_ids, logprobs)
         yield stopper
 
 

@@ -149,6 +149,23 @@ def test_generate_json(capsys, tiny):
     assert obj["stats"]["target_forwards"] == len(want)
 
 
+def test_generate_logprobs(capsys, tiny):
+    """--logprobs N: in --json one entry a token (its log-probability, its row's N likeliest), the same numbers as
+    the Python API; without --json one line a token on stderr; out of range, one line and exit 2."""
+    rc, out, err = run_main(capsys, gen(tiny, "--max-new-tokens", "8", "--json", "--logprobs", "3", "--method",
+                                        "ngram", prompt="Hello, hello"))
+    assert rc == 0, err
+    obj = json.loads(out.strip().splitlines()[-1])
+    want = LLM(target=tiny, dtype="float32").generate("Hello, hello", SamplingParams(max_new_tokens=8, logprobs=3))
+    assert [e["token"] for e in obj["logprobs"]] == obj["token_ids"] == want.token_ids
+    assert [e["logprob"] for e in obj["logprobs"]] == [lp.logprob for lp in want.logprobs]
+    assert all(len(e["top_logprobs"]) == 3 and e["top_logprobs"][0]["token"] == e["token"] for e in obj["logprobs"])
+    rc, out, err = run_main(capsys, gen(tiny, "--max-new-tokens", "4", "--logprobs", "0", prompt="Hello"))
+    assert rc == 0 and len([line for line in err.splitlines() if "\t" in line]) == 4, err
+    rc, out, err = run_main(capsys, gen(tiny, "--logprobs", "21", prompt="Hello"))
+    assert rc == 2 and "logprobs must be an integer in 0..20" in err
+
+
 def test_the_default_method_is_auto(capsys, tiny):
     """Users get auto unless they ask otherwise; greedy, that is the AR output token for token."""
     want = LLM(target=tiny, dtype="float32").generate("Hello, hello, hello", SamplingParams(max_new_tokens=24))

@@ -139,6 +139,11 @@ def test_init_from_a_trained_head_continues_to_lower_its_heldout_loss(target, co
     assert main(args(target, corpus, tmp_path / "c", features, 1, "--init", str(tmp_path / "a"),
                      "--layers", "1")) == 2
     assert "reads layers" in capsys.readouterr().err
+    narrow = make_hf_dir(tmp_path / "narrow", "qwen2", hidden_size=32, intermediate_size=64)  # another target
+    capsys.readouterr()
+    assert main(args(narrow, corpus, tmp_path / "c", tmp_path / "nf", 1, "--init", str(tmp_path / "a"))) == 2
+    err = capsys.readouterr().err.strip()
+    assert "does not fit" in err and len(err.splitlines()) == 1, err
 
 
 # -- 6. --resume continues bit for bit -------------------------------------------------------------------------

@@ -87,6 +87,9 @@ def valid(rng: random.Random) -> tuple[str, dict]:
         body["max_completion_tokens"] = rng.choice([1, 8, 32])  # else: all the room the context leaves
     if chat and rng.random() < 0.2:
         body.update(logprobs=False, response_format={"type": "text"}, tools=[], tool_choice="none")
+    if rng.random() < 0.3:  # log-probabilities: chat's flag and 0..20 alternatives, the completions API's 0..5
+        body.update({"logprobs": True, "top_logprobs": rng.randint(0, 20)} if chat else
+                    {"logprobs": rng.randint(0, 5)})
     if body.get("stream") and rng.random() < 0.5:
         body["stream_options"] = {"include_usage": rng.random() < 0.5}
     return ("chat/completions" if chat else "completions"), body
@@ -97,7 +100,7 @@ WRONG_TYPES = {"temperature": "hot", "max_tokens": 2.5, "top_p": "1", "top_k": 1
                "stream_options": {"include_usage": "yes"}, "metadata": {"k": 1}, "logit_bias": "none"}
 OUT_OF_RANGE = {"temperature": [-1, 2.0001, 1e308], "top_p": [0, -0.1, 1.5], "top_k": [-2], "max_tokens": [0, -5],
                 "seed": [2**64, -(2**63) - 1], "num_speculative_tokens": [-1, 17, 10**9], "n": [0, 2],
-                "frequency_penalty": [0.5], "logit_bias": [{"1": 5}], "model": ["gpt-9"]}
+                "frequency_penalty": [0.5], "logit_bias": [{"1": 5}], "model": ["gpt-9"], "top_logprobs": [21, -1]}
 
 
 def invalid(rng: random.Random) -> tuple[str, dict | bytes]:

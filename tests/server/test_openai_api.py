@@ -160,3 +160,36 @@ def test_a_request_sets_its_own_k(client):
     assert 0 < spec["num_drafts"] and spec["num_draft_tokens"] <= 3 * spec["num_drafts"]  # n-gram: up to K a step
     with pytest.raises(openai.BadRequestError):
         client.completions.create(**kw, extra_body={"num_speculative_tokens": 17})
+
+
+def test_chat_logprobs_whole_and_streamed(client, llm):
+    """logprobs + top_logprobs: one entry a token of the message (the target's own numbers, as LLM.generate reports
+    them), its alternatives likeliest first; the streamed chunks' entries add up to the whole one's."""
+    from verispec import SamplingParams
+
+    out = client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=3, **GREEDY)
+    content = out.choices[0].logprobs.content
+    want = llm.generate(CHAT, SamplingParams(max_new_tokens=12, logprobs=3))
+    assert len(content) == out.usage.completion_tokens == len(want.logprobs)
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-4)
+    for c in content:  # greedy: each token is its row's likeliest
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token and c.logprob <= 0
+        assert c.bytes == list(c.token.encode()) and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob
+    chunks = list(client.chat.completions.create(messages=CHAT, logprobs=True, top_logprobs=3, stream=True, **GREEDY))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(messages=CHAT, **GREEDY)
+    assert plain.choices[0].logprobs is None  # not asked, none given
+
+
+def test_completion_logprobs_whole_and_streamed(client):
+    out = client.completions.create(prompt="Once upon a time", logprobs=2, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 12
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(len(top) <= 2 and max(top.values()) == pytest.approx(v) for top, v in zip(lp.top_logprobs,
+                                                                                          lp.token_logprobs))
+    chunks = list(client.completions.create(prompt="Once upon a time", logprobs=2, stream=True, **GREEDY))
+    assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs
+    assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset

@@ -32,7 +32,7 @@ from ..drafters.base import Draft, Drafter, DraftRequest
 from ..errors import VerispecError
 from ..models.kv_cache import PagedBatch, PagedKVCache
 from ..models.llama import Transformer
-from ..sampling import ProcessorChain, draw, make_generator
+from ..sampling import ProcessorChain, TokenLogprob, draw, make_generator, token_logprobs
 from ..spec.verify import verify
 from .block_manager import BlockManager
 from .scheduler import ScheduledChunk, Scheduler, Sequence, SequenceStatus
@@ -65,6 +65,8 @@ class Request:
     fixed_k: bool = False  # draft the full K every step (no cost model)
     chain: ProcessorChain | None = None  # the padding mask, then the params' transforms: applied to each row chosen
     new_tokens: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # theirs, with params.logprobs set
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # every output token's, with params.logprobs set
     finish_reason: str | None = None  # "eos" | "length" | "abort" | "error"
     error: Exception | None = None  # why it failed (finish_reason "error"): its own failure, no one else's
     features: torch.Tensor | None = None  # [capacity, F]: the drafter's (or capture's) target hidden states
@@ -243,6 +245,8 @@ class Engine:
                     top = torch.log_softmax(logits[first:first + n], dim=-1).topk(req.capture.topk, dim=-1)
                     req.topk_ids[start:start + n], req.topk_logp[start:start + n] = top.indices, top.values
                 new = self._accept(req, chunk, draft, mine)
+                if req.params.logprobs is not None:  # row i of ``mine`` chose new[i] (verify rows, or the one row)
+                    req.new_logprobs = token_logprobs(mine[:len(new)], new, req.params.logprobs, self.logit_mask)
                 req.stats.target_forwards += 1
                 req.stats.target_s += t_forward
                 if chunk.is_prefill:
@@ -341,6 +345,9 @@ class Engine:
         elif done:
             req.finish_reason = "length"
         req.num_output += len(req.new_tokens)
+        if req.params.logprobs is not None:
+            req.new_logprobs = req.new_logprobs[:len(req.new_tokens)]
+            req.logprobs += req.new_logprobs
         if req.finished:
             self.requests.pop(req.request_id, None)
             self.policy.forget(req.request_id)

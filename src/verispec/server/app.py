@@ -27,6 +27,7 @@ character or clears a possible stop string releases held-back text into its own 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import secrets
 import time
@@ -230,6 +231,7 @@ class Reply:
 
     def __init__(self, gen: Generation, model_name: str, chat: bool, include_usage: bool):
         self.gen, self.chat, self.include_usage = gen, chat, include_usage
+        self.codec, self.offset = gen.runner.llm.codec, 0  # offset: characters before a completion chunk's tokens
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                      "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                      "model": model_name}
@@ -240,8 +242,28 @@ class Reply:
     def whole(self) -> dict:
         text = self.gen.text
         choice = {"index": 0, **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}),
-                  "logprobs": None, "finish_reason": self.gen.finish_reason}
+                  "logprobs": self.logprobs(self.gen.logprobs), "finish_reason": self.gen.finish_reason}
         return {**self.head, "choices": [choice], **self.summary()}
+
+    def logprobs(self, lps) -> dict | None:
+        """OpenAI's ``logprobs`` of a choice for these tokens (sampling/logprobs.py: the target's own, before
+        temperature), or None when the request asked for none: chat's ``content`` entries (token, logprob, bytes,
+        top_logprobs), or the completions API's parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
+        if self.gen.params.logprobs is None:
+            return None
+        text = self.codec.decode
+        if self.chat:
+            def entry(token: int, logprob: float) -> dict:
+                piece = text([token])
+                return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+
+            return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                                for lp in lps], "refusal": None}
+        tokens = [text([lp.token]) for lp in lps]
+        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=self.offset))
+        self.offset = offsets.pop()
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{text([t]): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
     async def events(self):
         """``data: {chunk}`` per engine step that produced text or finished, the usage chunk if asked, [DONE]."""
@@ -255,7 +277,8 @@ class Reply:
                     choice = {"index": 0, "delta": delta}
                 else:
                     choice = {"index": 0, "text": text}
-                chunk = {**head, "choices": [{**choice, "logprobs": None, "finish_reason": finish}]}
+                chunk = {**head, "choices": [{**choice, "logprobs": self.logprobs(event.logprobs),
+                                              "finish_reason": finish}]}
                 chunk["verispec"] = origin(event)
                 if self.include_usage:
                     chunk["usage"] = None

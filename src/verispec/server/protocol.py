@@ -13,15 +13,14 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters in one stop string
 # field -> its no-op values (null is always one)
 NEUTRAL: dict[str, tuple] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
-    "top_logprobs": (0,), "best_of": (1,), "echo": (False,), "suffix": (), "tools": ([],), "tool_choice": ("none",),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": (), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
     "parallel_tool_calls": (True, False),
 }
@@ -48,7 +47,8 @@ def bad_request(e: ValidationError) -> APIError:
         return APIError(400, f"the body is not valid JSON: {err['ctx'].get('error', err['msg'])}")
     loc = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
-    return APIError(400, f"{loc}: {msg}" if loc else msg, param=str(err["loc"][0]) if err["loc"] else None)
+    param = str(err["loc"][0]) if err["loc"] else msg.split(":")[0] if ":" in msg else None  # a model check: "field: ..."
+    return APIError(400, f"{loc}: {msg}" if loc else msg, param=param)
 
 
 class Strict(BaseModel):
@@ -136,25 +136,41 @@ class GenerateRequest(Strict):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return dict(temperature=1.0 if self.temperature is None else self.temperature,
                     top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0), seed=self.seed,
-                    stop=stop, ignore_eos=self.ignore_eos)
+                    stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs())
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives reported per token, or None: no log-probabilities asked for."""
+        return None
 
 
 class CompletionRequest(GenerateRequest):
     prompt: str | list[int]
-    logprobs: Any = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy limit
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatCompletionRequest(GenerateRequest):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     response_format: Any = None
     parallel_tool_calls: Any = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        return self
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None

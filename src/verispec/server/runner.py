@@ -28,6 +28,7 @@ from ..engine import Engine, Request
 from ..errors import VerispecError
 from ..frontend import Piece, feed, fit_context
 from ..llm import LLM
+from ..sampling import TokenLogprob
 from ..stopping import StopChecker
 from .metrics import Metrics
 
@@ -48,6 +49,7 @@ class StepEvent(NamedTuple):
     completion_tokens: int
     num_draft_tokens: int
     num_accepted_tokens: int
+    logprobs: tuple[TokenLogprob, ...] = ()  # those of the tokens whose text the pieces hold, with logprobs asked
 
     @property
     def text(self) -> str:
@@ -77,6 +79,7 @@ class Generation:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # every text token's so far, with logprobs asked
     closed: bool = False
 
     @property
@@ -244,7 +247,13 @@ class Runner:
         accepted = req.accepted - gen.num_accepted_tokens  # this step's accepted drafts: new_tokens' head
         self._count(gen, req, now)
         stopper = gen.stopper
+        before = len(stopper.token_ids)
         pieces = feed(stopper, req.new_tokens, accepted)
+        logprobs = ()
+        if gen.params.logprobs is not None:  # the tokens fed (a stop string may end the step early), EOS not text
+            eos = () if gen.params.ignore_eos else self.llm.eos_token_ids
+            logprobs = tuple(lp for lp in req.new_logprobs[:len(stopper.token_ids) - before] if lp.token not in eos)
+            gen.logprobs += logprobs
         finish = None
         if stopper.finished or req.finished:
             if not req.finished:  # a stop string
@@ -253,8 +262,9 @@ class Runner:
             finish = gen.finish_reason = FINISH_REASONS[stopper.finish_reason or req.finish_reason]
             gen.text = stopper.finalize()
             self.metrics.e2e_latency.observe(now - gen.arrival)
-        if pieces or finish:
-            return StepEvent(pieces, finish, gen.completion_tokens, gen.num_draft_tokens, gen.num_accepted_tokens)
+        if pieces or finish or logprobs:
+            return StepEvent(pieces, finish, gen.completion_tokens, gen.num_draft_tokens, gen.num_accepted_tokens,
+                             logprobs)
         return None
 
     def _count(self, gen: Generation, req: Request, now: float) -> None:
