@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help='a conversation instead of a prompt: a JSON list of {"role": "system" | "user" | "assistant", '
                         '"content": ...} ending with the user\'s, put through the chat template (\'-\' reads stdin)')
     g.add_argument("--json", action="store_true", help='print {"text", "token_ids", "stats"} as the last line')
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="-2..2, once per token the output holds")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="-2..2, per occurrence in the output")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0, on tokens of prompt and output (1 = off)")
+    g.add_argument("--min-p", type=float, default=0.0, help="0..1: drop tokens under min-p x the likeliest's probability")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=VALUE",
+                   help="add VALUE (-100..100) to token ID's logit (repeatable)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="each new token's log-probability and its row's N likeliest tokens (0-20): in --json's "
                         '"logprobs", else one line a token on stderr')
@@ -100,13 +106,27 @@ def unescape(text: str) -> str:
     return "".join(out)
 
 
+def logit_bias(pairs: list[str]) -> dict[int, float]:
+    """--logit-bias ID=VALUE, repeated -> {ID: VALUE}; one line naming the bad one."""
+    out = {}
+    for pair in pairs:
+        token, _, value = pair.partition("=")
+        try:
+            out[int(token)] = float(value)
+        except ValueError:
+            raise VerispecError(f"--logit-bias takes ID=VALUE, got {pair!r}") from None
+    return out
+
+
 def cmd_generate(args) -> int:
     from . import LLM, SamplingParams
 
     prompt = read_prompt(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop],
-                            logprobs=args.logprobs)
+                            logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            min_p=args.min_p, logit_bias=logit_bias(args.logit_bias))
     llm = LLM(**engine_options(args))
     kw = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, chat=args.chat, system=args.system,
               **spec_options(args))

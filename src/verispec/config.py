@@ -58,6 +58,11 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None  # report each new token's log-probability and this many alternatives (0-20)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, -100..100) added to its logit (OpenAI's)
+    presence_penalty: float = 0.0  # -2..2, once for each token the output holds (OpenAI's)
+    frequency_penalty: float = 0.0  # -2..2, per occurrence in the output (OpenAI's)
+    repetition_penalty: float = 1.0  # > 0: divides positive logits of tokens seen in prompt or output (vLLM's)
+    min_p: float = 0.0  # 0..1: drop tokens under min_p x the likeliest one's probability
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -75,6 +80,21 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop strings must be non-empty strings")
         _check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
                f"logprobs must be an integer in 0..20, got {self.logprobs!r}")
+        bias_rule = "logit_bias takes token ids >= 0 with values in -100..100"
+        try:
+            pairs = tuple((t, b) for t, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict)
+                                              else self.logit_bias))
+        except (TypeError, ValueError):
+            pairs = None
+        _check(pairs is not None and all(_is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100
+                                         for t, b in pairs), bias_rule)
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, float(b)) for t, b in dict(pairs).items())))
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(_is_real(v) and -2 <= v <= 2, f"{name} must be in -2..2, got {v!r}")
+        _check(_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+               and self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in 0..1, got {self.min_p!r}")
 
     @property
     def greedy(self) -> bool:

@@ -166,6 +166,20 @@ def test_generate_logprobs(capsys, tiny):
     assert rc == 2 and "logprobs must be an integer in 0..20" in err
 
 
+def test_generate_with_logit_processors(capsys, tiny):
+    """--logit-bias / penalties / --min-p reach the sampler as the Python API's; a bad pair is one line, exit 2."""
+    rc, out, err = run_main(capsys, gen(tiny, "--max-new-tokens", "8", "--json", "--logit-bias", "104=-100",
+                                        "--presence-penalty", "1.5", "--repetition-penalty", "1.2", prompt="Hello"))
+    assert rc == 0, err
+    want = LLM(target=tiny, dtype="float32").generate("Hello", SamplingParams(
+        max_new_tokens=8, logit_bias={104: -100}, presence_penalty=1.5, repetition_penalty=1.2))
+    assert json.loads(out.strip().splitlines()[-1])["token_ids"] == want.token_ids and 104 not in want.token_ids
+    for bad, msg in (("--logit-bias=x=1", "ID=VALUE"), ("--logit-bias=1=500", "logit_bias"),
+                     ("--min-p=2", "min_p"), ("--frequency-penalty=3", "frequency_penalty")):
+        rc, out, err = run_main(capsys, gen(tiny, bad, prompt="Hello"))
+        assert rc == 2 and msg in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_the_default_method_is_auto(capsys, tiny):
     """Users get auto unless they ask otherwise; greedy, that is the AR output token for token."""
     want = LLM(target=tiny, dtype="float32").generate("Hello, hello, hello", SamplingParams(max_new_tokens=24))

@@ -32,18 +32,30 @@ g = torch.Generator().manual_seed(0)
 P_LOGITS = 1.5 * torch.randn(V, V, generator=g)  # target: row t = the logits after a prefix ending in t
 Q_LOGITS = P_LOGITS + torch.randn(V, V, generator=g)  # draft: the target plus noise
 
-# name: (target's SamplingParams fields, whether the draft applies BanLast too)
+# an adversarial draft: it proposes what the processors forbid or penalise (the token that ended the prefix again,
+# and token 0, which a logit bias of -100 bans)
+ADVERSARY = P_LOGITS.clone()
+ADVERSARY[torch.arange(V), torch.arange(V)] += 4.0
+ADVERSARY[:, 0] += 3.0
+
+# name: (target's SamplingParams fields, BanLast on the target, on the draft too, the draft's logits); the
+# params' own processors (sampling/processors.py: logit bias, penalties, min-p) apply to the target's rows only
 CASES = {
-    "T1-draft_bans_too": (dict(temperature=1.0), True),
-    "T0.7-top_k3-draft_without_processor": (dict(temperature=0.7, top_k=3), False),
+    "T1-draft_bans_too": (dict(temperature=1.0), True, True, Q_LOGITS),
+    "T0.7-top_k3-draft_without_processor": (dict(temperature=0.7, top_k=3), True, False, Q_LOGITS),
+    "penalties-adversarial-draft": (dict(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0,
+                                         repetition_penalty=1.5), False, False, ADVERSARY),
+    "bias-min_p-adversarial-draft": (dict(temperature=0.9, logit_bias={0: -100, 2: 2.0}, min_p=0.1), False, False,
+                                     ADVERSARY),
 }
 
 
 def chains(name: str) -> tuple[ProcessorChain, ProcessorChain]:
-    kw, draft_bans = CASES[name]
+    kw, ban, draft_bans, _ = CASES[name]
     params = SamplingParams(**kw)
-    return (ProcessorChain.from_params(params, extra=[BanLast()]),
-            ProcessorChain.from_params(params, extra=[BanLast()] if draft_bans else []))
+    return (ProcessorChain.from_params(params, extra=[BanLast()] if ban else [], prompt_len=len(PROMPT)),
+            ProcessorChain.from_params(SamplingParams(**{k: v for k, v in kw.items() if k in ("temperature", "top_k")}),
+                                       extra=[BanLast()] if draft_bans else []))
 
 
 def exact_joint(chain: ProcessorChain) -> np.ndarray:
@@ -58,6 +70,7 @@ def exact_joint(chain: ProcessorChain) -> np.ndarray:
 def generate(verify_fn, name: str, n: int, seed: int) -> np.ndarray:
     """n generations of N_TOKENS tokens by speculative rounds -> counts [V, V, V]; one generator for all."""
     chain_p, chain_q = chains(name)
+    q_logits = CASES[name][3]
     g = torch.Generator().manual_seed(seed)
     counts = np.zeros((V,) * N_TOKENS, dtype=np.int64)
     for _ in range(n):
@@ -65,7 +78,7 @@ def generate(verify_fn, name: str, n: int, seed: int) -> np.ndarray:
         while len(ctx) - len(PROMPT) < N_TOKENS:
             drafts, qs = [], []
             for _ in range(K):  # x_i ~ q_i, given context + x_1..x_{i-1}
-                token, q = draw(Q_LOGITS[(drafts or ctx)[-1]][None], Prefix(ctx, drafts), chain_q, g)
+                token, q = draw(q_logits[(drafts or ctx)[-1]][None], Prefix(ctx, drafts), chain_q, g)
                 drafts.append(int(token))
                 qs.append(q)
             target_logits = P_LOGITS[[ctx[-1], *drafts]][None]  # [1, K+1, V]: row i after context + x_1..x_i
@@ -75,7 +88,7 @@ def generate(verify_fn, name: str, n: int, seed: int) -> np.ndarray:
     return counts
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][1]])
 def test_exact_law_is_independently_right(name):
     """The expected cells come from the chain, which verify uses too: check them against naive float64 rows with
     the previous token's logit set to -inf by hand."""
@@ -107,3 +120,12 @@ def test_negative_control_committed_prefix_only_fails(bug):
         assert p < ALPHA, f"processor given the committed context only not detected: p = {p:.3g}"
     else:
         assert p > ALPHA, f"the copied rule: chi-square p = {p:.3g}"
+
+
+@pytest.mark.parametrize("name,bug", [("penalties-adversarial-draft", "committed_prefix_only"),
+                                      ("bias-min_p-adversarial-draft", "always_accept")])
+def test_negative_controls_of_the_params_processors_fail(name, bug):
+    """Penalties given the committed context only (the drafts before a row ignored), and a verifier that accepts
+    the drafts the bias bans, must be rejected."""
+    p = chi2_pvalue(generate(variant_verify(bug), name, N_NEG, seed=3), exact_joint(chains(name)[0]))
+    assert p < ALPHA, f"{name} / {bug} not detected: p = {p:.3g}"

@@ -78,7 +78,9 @@ def valid(rng: random.Random) -> tuple[str, dict]:
         "ignore_eos": lambda: rng.random() < 0.5,
         "num_speculative_tokens": lambda: rng.randint(0, 16),
         "user": lambda: "fuzz", "metadata": lambda: {"k": "v"}, "store": lambda: False,
-        "frequency_penalty": lambda: 0, "presence_penalty": lambda: 0.0, "logit_bias": lambda: {},
+        "frequency_penalty": lambda: rng.choice([0, -2, -0.5, 0.7, 2]), "presence_penalty": lambda: rng.uniform(-2, 2),
+        "logit_bias": lambda: {str(rng.randrange(VOCAB)): rng.choice([-100, -3.5, 0, 2, 100]) for _ in range(3)},
+        "repetition_penalty": lambda: rng.choice([0.5, 1, 1.3, 2]), "min_p": lambda: rng.choice([0, 0.05, 0.5, 1]),
     }
     for key, value in options.items():
         if rng.random() < 0.5:
@@ -100,7 +102,8 @@ WRONG_TYPES = {"temperature": "hot", "max_tokens": 2.5, "top_p": "1", "top_k": 1
                "stream_options": {"include_usage": "yes"}, "metadata": {"k": 1}, "logit_bias": "none"}
 OUT_OF_RANGE = {"temperature": [-1, 2.0001, 1e308], "top_p": [0, -0.1, 1.5], "top_k": [-2], "max_tokens": [0, -5],
                 "seed": [2**64, -(2**63) - 1], "num_speculative_tokens": [-1, 17, 10**9], "n": [0, 2],
-                "frequency_penalty": [0.5], "logit_bias": [{"1": 5}], "model": ["gpt-9"], "top_logprobs": [21, -1]}
+                "frequency_penalty": [2.5, -3], "logit_bias": [{"1": 101}, {"x": 1}, {"99999999": 1}],
+                "model": ["gpt-9"], "top_logprobs": [21, -1], "min_p": [-0.1, 2], "repetition_penalty": [0, -1]}
 
 
 def invalid(rng: random.Random) -> tuple[str, dict | bytes]:

@@ -193,3 +193,22 @@ def test_completion_logprobs_whole_and_streamed(client):
     assert [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs] == \
         lp.token_logprobs
     assert [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset] == lp.text_offset
+
+
+def test_logit_bias_and_penalties_as_the_python_api_applies_them(client, llm):
+    """logit_bias, presence / frequency / repetition penalties and min_p reach the sampler: a greedy request with
+    them (speculating: the server's n-gram drafts) gives the plain-decoding output of LLM.generate with the same
+    processors, and a bias of -100 on the first plain token moves it."""
+    from verispec import SamplingParams
+
+    plain = llm.generate("Once upon a time", SamplingParams(max_new_tokens=12))
+    ban = {str(plain.token_ids[0]): -100}
+    out = client.completions.create(prompt="Once upon a time", logit_bias=ban, **GREEDY)
+    want = llm.generate("Once upon a time", SamplingParams(max_new_tokens=12, logit_bias={plain.token_ids[0]: -100}))
+    assert out.choices[0].text == want.text and want.token_ids[0] != plain.token_ids[0]
+    extra = dict(presence_penalty=1.5, frequency_penalty=0.8)
+    out = client.completions.create(prompt="abc abc abc abc", extra_body={"repetition_penalty": 1.3, "min_p": 0.1},
+                                    **extra, **GREEDY)
+    want = llm.generate("abc abc abc abc", SamplingParams(max_new_tokens=12, repetition_penalty=1.3, min_p=0.1, **extra))
+    assert out.choices[0].text == want.text
+    assert want.text != llm.generate("abc abc abc abc", SamplingParams(max_new_tokens=12)).text  # they changed it

@@ -193,3 +193,25 @@ def test_tiny_temperature_generates_the_greedy_text(pair, method):
     for t in (1e-40, 1e-30):
         params = SamplingParams(max_new_tokens=12, temperature=t, seed=1, ignore_eos=True)
         assert pair.generate(prompt, params, method=method).token_ids == want
+
+
+def test_the_params_processors_compute_what_openai_and_vllm_define():
+    """By hand, on 6 tokens: prompt [0, 1], output so far [2, 2] + the draft 3 before this row. Bias first, then the
+    repetition penalty (divides a positive logit, multiplies a negative one, for any token seen), then frequency
+    (per occurrence in the output) and presence (once), then min-p at the request's temperature."""
+    import math
+
+    from verispec.sampling import Prefix, ProcessorChain
+
+    logits = torch.tensor([-1.0, 1.0, 0.5, 0.25, 2.0, -0.5])
+    kw = dict(temperature=0.5, logit_bias={5: 3.0, 4: -100}, repetition_penalty=2.0, frequency_penalty=0.25,
+              presence_penalty=0.125)
+    prefix = [Prefix([0, 1, 2, 2], [3])]
+    got = ProcessorChain.from_params(SamplingParams(**kw), prompt_len=2).logits(prefix, logits[None])[0]
+    want = [-2.0, 0.5, 0.25 - 0.5 - 0.125, 0.125 - 0.25 - 0.125, 2.0 - 100, 2.5]
+    assert got.tolist() == pytest.approx(want)
+    got = ProcessorChain.from_params(SamplingParams(**kw, min_p=0.02), prompt_len=2).logits(prefix, logits[None])[0]
+    cut = 2.5 + 0.5 * math.log(0.02)  # p_i / p_max >= min_p at T = 0.5
+    assert got.tolist() == pytest.approx([w if w >= cut else float("-inf") for w in want])
+    assert 0 < sum(w >= cut for w in want) < 4  # some kept, some dropped
+    assert [type(p).__name__ for p in ProcessorChain.from_params(SamplingParams()).processors] == []  # none: free

@@ -134,6 +134,9 @@ class Engine:
         that reads features of its own)."""
         if not prompt_ids:
             raise VerispecError("empty prompt")
+        V = self.target.config.vocab_size
+        if params.logit_bias and params.logit_bias[-1][0] >= V:
+            raise VerispecError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary (0..{V - 1})")
         rid = next(self._ids)
         fixed_k = fixed_k or (not params.greedy and params.seed is not None)
         K = max(0, min(num_draft_tokens, self.max_draft_tokens)) if drafter else 0
@@ -146,7 +149,7 @@ class Engine:
         seq = Sequence(rid, list(prompt_ids), params.max_new_tokens, K, fixed_draft=fixed_k)
         self.scheduler.add(seq)
         req = Request(rid, seq, params, make_generator(params, self.device), drafter, fixed_k,
-                      chain=ProcessorChain.from_params(params, self.logit_mask))
+                      chain=ProcessorChain.from_params(params, self.logit_mask, prompt_len=len(prompt_ids)))
         req.stats.prompt_tokens = len(prompt_ids)
         req.stats.reached, req.stats.accepted_at = [0] * seq.num_draft_tokens, [0] * seq.num_draft_tokens
         layers = drafter.feature_layers if drafter is not None else ()

@@ -18,6 +18,8 @@ and is then called once on every row at once; the others are called row by row.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
@@ -77,6 +79,67 @@ class Prefix(Sequence[int]):
         return self.context[i] if i < c else int(self.drafts[i - c])
 
 
+    def tail(self, start: int) -> list[int]:
+        """``list(self[start:])`` without a Python loop over the context (a penalty reads the output so far)."""
+        c = len(self.context)
+        drafts = self.drafts.tolist() if isinstance(self.drafts, torch.Tensor) else [int(t) for t in self.drafts]
+        return list(self.context[start:]) + drafts[max(start - c, 0):]
+
+
+class LogitBias(LogitsProcessor):
+    """OpenAI's ``logit_bias``: a fixed amount added to chosen tokens' logits (-100 bans, +100 all but forces)."""
+
+    prefix_independent = True
+
+    def __init__(self, bias: dict[int, float], vocab_size: int | None = None):
+        self.ids = torch.tensor(sorted(bias), dtype=torch.long)
+        self.values = torch.tensor([float(bias[i]) for i in sorted(bias)])
+
+    def __call__(self, prefix, logits: torch.Tensor) -> torch.Tensor:
+        ids, values = self.ids.to(logits.device), self.values.to(logits.device, logits.dtype)
+        return logits.index_add(-1, ids, values.expand(*logits.shape[:-1], -1))
+
+
+class Penalties(LogitsProcessor):
+    """Repetition, frequency and presence penalties (vLLM's and OpenAI's rules) from the row's own prefix, drafts
+    before the row included: the repetition penalty r divides a positive logit (multiplies a negative one) of any
+    token seen in prompt or output; then each token the output holds loses ``frequency`` per occurrence and
+    ``presence`` once. The output starts at ``prompt_len``."""
+
+    def __init__(self, prompt_len: int, presence: float = 0.0, frequency: float = 0.0, repetition: float = 1.0):
+        self.prompt_len, self.presence, self.frequency, self.repetition = prompt_len, presence, frequency, repetition
+
+    def __call__(self, prefix, logits: torch.Tensor) -> torch.Tensor:
+        V = logits.shape[-1]
+        out = torch.tensor(prefix.tail(self.prompt_len) if isinstance(prefix, Prefix) else list(prefix)[self.prompt_len:],
+                           dtype=torch.long, device=logits.device)
+        logits = logits.clone()
+        if self.repetition != 1.0:
+            seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
+            whole = prefix.tail(0) if isinstance(prefix, Prefix) else list(prefix)
+            seen[torch.tensor(whole, dtype=torch.long, device=logits.device)] = True
+            hit = logits[seen]
+            logits[seen] = torch.where(hit > 0, hit / self.repetition, hit * self.repetition)
+        if len(out) and (self.frequency or self.presence):
+            counts = torch.bincount(out, minlength=V)[:V].to(logits.dtype)
+            logits -= self.frequency * counts + self.presence * (counts > 0).to(logits.dtype)
+        return logits
+
+
+class MinP(LogitsProcessor):
+    """min-p sampling: tokens whose probability (at the request's temperature) is under ``min_p`` times the
+    likeliest one's are dropped; on logits, those below max + T ln(min_p). Greedy decoding is unchanged."""
+
+    prefix_independent = True
+
+    def __init__(self, min_p: float, temperature: float):
+        self.min_p, self.temperature = min_p, temperature
+
+    def __call__(self, prefix, logits: torch.Tensor) -> torch.Tensor:
+        top = logits.max(dim=-1, keepdim=True).values
+        return logits.masked_fill(logits < top + self.temperature * math.log(self.min_p), float("-inf"))
+
+
 def row_prefixes(contexts: Sequence[Sequence[int]], draft_tokens: torch.Tensor) -> list[Prefix]:
     """The prefix of every verify row, batch-major: [B * (K + 1)], row (b, i) = contexts[b] + draft_tokens[b, :i]
     for i = 0..K (draft_tokens [B, K]; contexts: B committed contexts, each the tokens before row 0)."""
@@ -95,9 +158,20 @@ class ProcessorChain:
 
     @classmethod
     def from_params(cls, params: SamplingParams, mask: torch.Tensor | None = None,
-                    extra: Sequence[LogitsProcessor] = ()) -> ProcessorChain:
-        """The padding mask (mask [V], True = padding; None: none), then ``extra``, then params' transforms."""
-        return cls(params, ((PaddingMask(mask),) if mask is not None else ()) + tuple(extra))
+                    extra: Sequence[LogitsProcessor] = (), prompt_len: int = 0) -> ProcessorChain:
+        """The padding mask (mask [V], True = padding; None: none), then ``extra``, then the params' processors
+        (logit bias, penalties on the output from ``prompt_len`` on, min-p), then their transforms (temperature,
+        top-k, top-p: ``logits_to_probs``)."""
+        procs = [PaddingMask(mask)] if mask is not None else []
+        procs += list(extra)
+        if params.logit_bias:
+            procs.append(LogitBias(dict(params.logit_bias)))
+        if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+            procs.append(Penalties(prompt_len, params.presence_penalty, params.frequency_penalty,
+                                   params.repetition_penalty))
+        if params.min_p and not params.greedy:
+            procs.append(MinP(params.min_p, params.temperature))
+        return cls(params, tuple(procs))
 
     @property
     def greedy(self) -> bool:

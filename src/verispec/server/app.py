@@ -119,8 +119,9 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
-        except VerispecError as e:
-            raise APIError(400, str(e)) from None
+        except VerispecError as e:  # "field: ..." names the parameter (logit_bias past the vocabulary, say)
+            field = str(e).split(":")[0]
+            raise APIError(400, str(e), param=field if field in type(body).model_fields else None) from None
         reply = Reply(gen, model_name, chat, body.include_usage)
         if body.stream:
             return SSEResponse(gen, reply.events(), media_type="text/event-stream",

@@ -3,8 +3,9 @@
 Types are strict (``"5"`` is not an integer) and unknown fields are refused, except the fields the official client
 may send that change nothing here: ``user``, ``metadata``, ``store``, ``service_tier``, ``safety_identifier`` and
 ``prompt_cache_key`` take any value of their type; ``NEUTRAL`` fields only their no-op value (or null), since
-honouring ``frequency_penalty: 0.5`` silently as 0 would change the output the caller asked for. Defaults are
-OpenAI's (temperature 1, top_p 1); ``top_k`` and ``ignore_eos`` are extensions, as in vLLM. ``stop`` takes at most
+honouring ``best_of: 2`` silently as 1 would change the output the caller asked for. Defaults are OpenAI's
+(temperature 1, top_p 1); ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` are extensions, as in
+vLLM. ``stop`` takes at most
 4 strings (OpenAI's limit) of at most 256 characters each: every generated token is checked against each of them.
 """
 
@@ -20,7 +21,7 @@ MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters in one stop string
 # field -> its no-op values (null is always one)
 NEUTRAL: dict[str, tuple] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": (), "tools": ([],), "tool_choice": ("none",),
+    "best_of": (1,), "echo": (False,), "suffix": (), "tools": ([],), "tool_choice": ("none",),
     "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
     "parallel_tool_calls": (True, False),
 }
@@ -98,9 +99,11 @@ class GenerateRequest(Strict):
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> -100..100
+    repetition_penalty: float | None = Field(None, gt=0, le=100)  # vLLM's extra: 1 = off
+    min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extra: 0 = off
 
     @field_validator("n")
     @classmethod
@@ -120,6 +123,16 @@ class GenerateRequest(Strict):
                              f"{max(len(s) for s in stops)}")
         return stop
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, bias: dict[str, float] | None):
+        for key, value in (bias or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids, got {key!r:.30}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"values are in -100..100, got {value!r} for token {key}")
+        return bias
+
     @field_validator(*NEUTRAL, check_fields=False)
     @classmethod
     def _neutral(cls, value, info: ValidationInfo):
@@ -136,7 +149,11 @@ class GenerateRequest(Strict):
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return dict(temperature=1.0 if self.temperature is None else self.temperature,
                     top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0), seed=self.seed,
-                    stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs())
+                    stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
+                    logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                    presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    min_p=self.min_p or 0.0)
 
     def num_logprobs(self) -> int | None:
         """Alternatives reported per token, or None: no log-probabilities asked for."""

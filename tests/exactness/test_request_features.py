@@ -1,6 +1,10 @@
-"""Log-probabilities (SamplingParams(logprobs=N)) come from the target's own row for each committed token, so they
-do not depend on what drafted: on native weights (batch-invariant kernels) every drafter's greedy output reports the
-same bits as plain decoding, and a sampled output's values are those of the target's forward over that output."""
+"""What a request may ask for beyond temperature / top-k / top-p, exact under speculation on native weights.
+
+Log-probabilities (SamplingParams(logprobs=N)) come from the target's own row for each committed token, so they do
+not depend on what drafted: every drafter's greedy output reports the same bits as plain decoding, and a sampled
+output's values are those of the target's forward over that output. Logit bias, penalties and min-p are processors
+of each row given its own prefix (drafts before it included): greedy output with them is plain decoding's with them,
+token for token, whatever drafted (their sampled law: test_processor_distribution.py)."""
 
 from __future__ import annotations
 
@@ -81,3 +85,23 @@ def test_without_logprobs_none_are_kept_and_a_stop_string_trims_them_with_the_to
     assert [lp.token for lp in cut.logprobs] == cut.token_ids == full.token_ids[:len(cut.token_ids)]
     with pytest.raises(Exception, match="logprobs must be an integer in 0..20"):
         SamplingParams(logprobs=21)
+
+
+PROCESSORS = [dict(logit_bias={7: -100, 40: 5.0}), dict(presence_penalty=1.2, frequency_penalty=0.7),
+              dict(repetition_penalty=1.4), dict(min_p=0.2, presence_penalty=-0.5)]
+
+
+@pytest.mark.parametrize("method,draft,K", METHODS)
+@pytest.mark.parametrize("kw", PROCESSORS, ids=lambda kw: "-".join(kw))
+def test_greedy_with_processors_is_plain_decoding_with_them(llms, method, draft, K, kw):
+    llm = llms[draft]
+    changed, drafted = False, 0
+    for prompt in PROMPTS:
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True, logprobs=1, **kw)
+        want = llm.generate(prompt, params)
+        got = llm.generate(prompt, params, method=method, num_draft_tokens=K)
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs
+        drafted += got.stats["drafted_tokens"]
+        changed |= want.token_ids != llm.generate(prompt, SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
+    assert changed or "min_p" in kw  # the processors changed the text (min-p leaves greedy decoding alone)
+    assert drafted > 0  # verify passes ran
