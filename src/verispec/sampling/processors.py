@@ -91,7 +91,7 @@ class LogitBias(LogitsProcessor):
 
     prefix_independent = True
 
-    def __init__(self, bias: dict[int, float], vocab_size: int | None = None):
+    def __init__(self, bias: dict[int, float]):
         self.ids = torch.tensor(sorted(bias), dtype=torch.long)
         self.values = torch.tensor([float(bias[i]) for i in sorted(bias)])
 
