@@ -58,14 +58,14 @@ def relocate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         copy = base[start + at:start + at + n].view(t.dtype).view(t.shape)
         copy.copy_(t)
         out.append(copy)
-    _page_out_file_sources(tensors)
+    page_out_file_sources(tensors)
     return out
 
 
 MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim these pages now (contents kept: a later read faults them back in)
 
 
-def _page_out_file_sources(tensors: list[torch.Tensor]) -> None:
+def page_out_file_sources(tensors: list[torch.Tensor]) -> None:
     """Ask the kernel to drop the resident pages of those ``tensors`` that lie in file mappings (a safetensors
     file read with mmap keeps them mapped while any tensor of the file lives). Anonymous memory is left alone:
     paging it out could mean writing it to swap just before it is freed."""

@@ -298,18 +298,57 @@ def _load_native_cache(cache: Path, dtype: torch.dtype, device: str, source: str
 
 
 def _read_safetensors(files: list[Path], dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as sf:
-                for key in sf.keys():
-                    yield key, sf.get_tensor(key).to(dtype)
+            yield from _safetensors_tensors(f, dtype)
         except VerispecError:
             raise
         except Exception as e:
             msg = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
             raise VerispecError(f"corrupt or truncated safetensors file {f}: {msg}") from None
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _safetensors_tensors(path: Path, dtype: torch.dtype) -> Iterable[tuple[str, torch.Tensor]]:
+    """Each tensor of one safetensors file, read into memory of its own and cast to ``dtype``, one at a time.
+
+    Plain reads, not a memory map: pages of a mapped file stay resident while it is open, so a bf16 file cast to
+    float32 through a map held the whole file (3.5 GB for the 1.5B target) beside the 7 GB of float32 weights at
+    the peak of the load. A read keeps one tensor's bytes at a time."""
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise ValueError("file shorter than its 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise ValueError(f"header of {n} bytes in a file of {size}")
+        header = json.loads(fh.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+        base = 8 + n
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            if info.get("dtype") not in _SAFETENSORS_DTYPES:
+                raise ValueError(f"tensor {key!r}: unsupported dtype {info.get('dtype')!r}")
+            dt, shape = _SAFETENSORS_DTYPES[info["dtype"]], [int(d) for d in info["shape"]]
+            lo, hi = (int(o) for o in info["data_offsets"])
+            numel = 1
+            for d in shape:
+                numel *= d
+            if not 0 <= lo <= hi <= size - base or hi - lo != numel * dt.itemsize:
+                raise ValueError(f"tensor {key!r}: data offsets {lo}..{hi} do not fit its shape or the file")
+            buf = bytearray(hi - lo)
+            fh.seek(base + lo)
+            if fh.readinto(buf) != len(buf):
+                raise ValueError(f"tensor {key!r}: file ends inside its data")
+            t = torch.frombuffer(buf, dtype=dt) if buf else torch.empty(0, dtype=dt)
+            yield key, t.reshape(shape).to(dtype)
 
 
 def _merge_ids(a, b) -> list[int]:
@@ -390,6 +429,8 @@ def build_model(cfg: ModelConfig, hf_tensors: Iterable[tuple[str, torch.Tensor]]
         if shape != tuple(expected[k].shape):
             raise VerispecError(f"tensor {k!r} has shape {shape}, config implies {tuple(expected[k].shape)}")
     model.load_state_dict({k: t for k, t in sd.items() if k not in native}, strict=False, assign=True)
+    sd.clear()  # the model holds its tensors alone now: packing below frees each plain weight as it packs it
+    t = None
     if cfg.tie_word_embeddings:
         model.tie_weights()
     for k, w in native.items():
