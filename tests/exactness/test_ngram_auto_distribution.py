@@ -61,6 +61,7 @@ def try_short_matches(monkeypatch, llm):
     do not follow the machine's load: the n-gram drafts where it matches, the draft model where it does not."""
     monkeypatch.setattr(verispec.drafters.auto, "TRY_MIN_MATCH", 1)
     monkeypatch.setattr(verispec.drafters.auto, "SPEC_MARGIN", 0.0)
+    monkeypatch.setattr(verispec.drafters.auto, "REALIZED_MARGIN", 0.0)
     for name in ("observe_forward", "observe_round", "observe_draft", "observe_catch_up"):
         monkeypatch.setattr(Costs, name, lambda *a: None)
     costs = llm.costs

@@ -67,11 +67,11 @@ def test_unjudged_positions_take_the_last_judged_estimate():
     costs = Costs()
     c = DraftLengthController(1, 4, prior_acceptance=0.5, costs=costs, name="draft")
     assert c.rates() == [0.5] * 4 and c.rounds == 0
-    c.observe(2, 1)  # position 1 accepted, position 2 rejected: each moves from the prior (EMA 0.8)
-    assert c.rates() == pytest.approx([0.6, 0.4, 0.4, 0.4])
+    c.observe(2, 1)  # position 1 accepted, position 2 rejected: each the mean of the prior (one verdict) and its own
+    assert c.rates() == pytest.approx([0.75, 0.25, 0.25, 0.25])
     assert c.rounds == 1  # a record of its own now
     c.observe(0, 0)  # a round that drafted nothing judges nothing
-    assert c.rounds == 1 and c.rates() == pytest.approx([0.6, 0.4, 0.4, 0.4])
+    assert c.rounds == 1 and c.rates() == pytest.approx([0.75, 0.25, 0.25, 0.25])
     # the controller writes no cost: it reads its drafter's in the store the engine fills
     assert c.t_draft is None and c.t_verify == {} and costs.draft == {} and costs.round == {}
     costs.observe_draft("draft", 2, 0.01)

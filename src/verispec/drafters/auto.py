@@ -19,17 +19,28 @@ of each drafter, a round's verify cost per size, each drafter's catch-up per tok
   round a drafter is valued with priors in units of one target step (PRIOR_C per drafted token, PRIOR_CATCH_UP
   per catch-up token: the 0.5B draft of the 1.5B target on CPU, where PRIOR_C sits between the ratio measured with
   the 4-bit draft on the bf16 target and on the native target; docs/BENCHMARKS.md, "Draft model").
-- Acceptance estimates start from the prior (0.6 a position) and move by an EMA: one unlucky first round lowers
-  a drafter's estimate, it does not switch it off.
-- The acceptance auto learns is kept across requests (``memory``, held by the LLM per drafter set, K range and
-  sampling setting; the costs live in the engine's store): a new request starts from the last one's estimates, so a drafter is not explored again on every
-  request (the head's first round reads the whole prompt; on CPU that costs a few target steps). The price: a
-  drafter that the last requests rated low is tried again only when a retry is cheap (RETRY_MAX_CATCH_UP), so on
-  a CPU where it barely pays it may sit out a request it would have won (measured: docs/BENCHMARKS.md, "auto").
+- Acceptance estimates start from the prior (0.6 a position, worth one verdict) and follow the verdicts' mean, then
+  an EMA (spec/policy.py, DraftLengthController): one unlucky first round lowers a drafter's estimate, it does not
+  switch it off.
+- Every expensive drafter drafts EXPLORE_ROUNDS rounds (unless a cheap draft is worth more) before it is compared
+  with the other expensive ones, and no plain step is taken instead: valued at the prior, a draft model (c ~0.3)
+  lost to a cheap head (c ~0.1) that was right half as often, and one never chosen never showed what it could do.
+- From then on an expensive drafter is valued by what its rounds delivered (``Realized``: their tokens over their
+  seconds at the store's costs, each of its rounds discounting the earlier ones by REALIZED_DECAY), plus a long
+  catch-up still ahead of it, not by the model of its acceptance: the model valued a round at the K the controller
+  would choose, while a draft model that stops early drafts fewer, and it ran optimistic for a cheap head.
+- What a drafter delivered fades every round, drafted or not, and IDLE_ROUNDS rounds after it last drafted it
+  drafts once more (if its catch-up is cheap, RETRY_MAX_CATCH_UP), so a choice made on earlier text, or in an
+  earlier request, is revisited (docs/BENCHMARKS.md, "auto").
+- The acceptance and the deliveries auto learns are kept across requests (``memory``, held by the LLM per drafter
+  set, K range and sampling setting; the costs live in the engine's store): a new request starts from the last
+  one's, so a drafter is not explored again on every request (the head's first round reads the whole prompt; on
+  CPU that costs a few target steps).
 
 - No speculation (K = 0, an empty draft: the engine runs a plain target step) is an option too, worth
   ``1 / t_verify(1)`` tokens per second (one target forward per token). It is taken unless a drafter promises
-  SPEC_MARGIN times more, once the best drafter has a record of its own (a drafter never measured is tried first, and
+  SPEC_MARGIN times more (REALIZED_MARGIN times, valued by what it delivered), once the best drafter has a record of
+  its own (a drafter never measured is tried first, and
   before any verify is measured auto drafts). A plain round is timed by the engine like any other: it measures
   t_verify(1). Switched-off drafters learn nothing, so after a run of plain rounds the best drafter drafts
   once more for fresh evidence (unless it would first spend more than RETRY_MAX_CATCH_UP target steps catching up,
@@ -49,20 +60,60 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..spec.costs import LONG_CATCH_UP, Costs, expected_tokens, interpolate
-from ..spec.policy import (NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, PRIOR_C, PRIOR_CATCH_UP, RETRY_MAX_CATCH_UP, SPEC_MARGIN,
-                           DraftLengthController)
+from ..spec.policy import (EXPLORE_ROUNDS, NO_SPEC_RETRY, NO_SPEC_RETRY_MAX, PRIOR_C, PRIOR_CATCH_UP,
+                           RETRY_MAX_CATCH_UP, SPEC_MARGIN, DraftLengthController)
 from .base import Draft, Drafter, DraftRequest
 
+REALIZED_DECAY = 0.9  # the weight of earlier rounds in what an expensive drafter delivered, per round auto plays
+IDLE_ROUNDS = 20  # rounds an expensive drafter sits out before it drafts once more (if it catches up cheaply)
+REALIZED_MARGIN = 1.03  # what a drafter's rounds delivered must beat a plain step by this much (SPEC_MARGIN: what
+# the model of its acceptance promises, which runs optimistic near break-even)
 TRY_MIN_MATCH = 3  # an n-gram match this long is valued at the prior without a record (shorter: only with a
 # record, or alone): untried 1- and 2-gram matches were accepted far less often than 3- and 4-grams (one-off
 # count: docs/BENCHMARKS.md, "auto")
 
 
 @dataclass
+class Realized:
+    """What an expensive drafter's rounds delivered: discounted sums of their tokens, of their seconds (drafting, the
+    round besides drafting, short catch-ups; the store's costs at the round's K) and of their number. Every round
+    auto plays discounts them by REALIZED_DECAY, whether this drafter drafted in it or not (a plain step, another
+    drafter's round). A drafter that has sat out IDLE_ROUNDS rounds is no longer ``known``: it drafts once more, and
+    that round weighs about as much as all it did before, so a choice made on earlier text (or in an earlier
+    request) is revisited."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    rounds: float = 0.0
+    count: int = 0  # rounds drafted
+    idle: int = 0  # rounds since it last drafted
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        self.fade()
+        self.tokens, self.seconds, self.rounds = self.tokens + tokens, self.seconds + seconds, self.rounds + 1
+        self.count, self.idle = self.count + 1, 0
+
+    def fade(self) -> None:
+        self.tokens, self.seconds, self.rounds = (REALIZED_DECAY * v for v in (self.tokens, self.seconds, self.rounds))
+        self.idle += 1
+
+    @property
+    def known(self) -> bool:
+        """Long enough and recent enough a record to value the drafter by."""
+        return self.count >= EXPLORE_ROUNDS and self.idle < IDLE_ROUNDS
+
+    def tokens_per_second(self, extra_s: float = 0.0) -> float:
+        """Tokens per second of its rounds, with ``extra_s`` more seconds a round."""
+        return (self.tokens / self.rounds) / max(self.seconds / self.rounds + extra_s, 1e-9)
+
+
+@dataclass
 class AutoMemory:
-    """What auto has learned of acceptance: a DraftLengthController per (drafter, match length)."""
+    """What auto has learned of acceptance: a DraftLengthController per (drafter, match length), and what each
+    expensive drafter's rounds delivered."""
 
     controllers: dict[tuple[str, int | None], DraftLengthController] = field(default_factory=dict)
+    realized: dict[str, Realized] = field(default_factory=dict)
 
 
 class AutoDrafter(Drafter):
@@ -81,7 +132,8 @@ class AutoDrafter(Drafter):
         self._use(AutoMemory())
         self.plain_rounds = 0  # plain rounds chosen in a row since the last drafter round
         self.retry_after = NO_SPEC_RETRY  # plain rounds before the best drafter drafts again
-        self._round: tuple | None = None  # (drafter, controller, K) of this round; drafter None: a plain step
+        self._round: tuple | None = None  # (drafter, controller, K, its name if expensive) of this round;
+        # drafter None: a plain step
         self.catch_up = (0, 0.0)  # the chosen delegate's catch-up this round (tokens, seconds beyond drafting)
 
     def lag(self, context: list[int]) -> int:
@@ -153,7 +205,7 @@ class AutoDrafter(Drafter):
         seconds = interpolate(self.t_verify, 1)
         return 1.0 / seconds if seconds > 0 else None
 
-    def _plain_wins(self, value: float, ctl: DraftLengthController, catch_up: float) -> bool:
+    def _plain_wins(self, value: float, ctl: DraftLengthController, catch_up: float, margin: float) -> bool:
         """Is this round a plain step? The best drafter (``value`` tokens/s, controller ``ctl``, ``catch_up``
         seconds to spend before it drafts) is beaten by no speculation and no retry is due. A retry must be cheap:
         never one whose catch-up costs more than RETRY_MAX_CATCH_UP target steps (a draft model reading a long
@@ -161,7 +213,7 @@ class AutoDrafter(Drafter):
         plain = self.no_spec_value()
         if plain is None or ctl.rounds == 0:  # nothing to compare, or a drafter never measured: it drafts
             return False
-        if value >= SPEC_MARGIN * plain:  # a drafter wins: the back-off starts over
+        if value >= margin * plain:  # a drafter wins: the back-off starts over
             self.plain_rounds, self.retry_after = 0, NO_SPEC_RETRY
             return False
         if self.plain_rounds < self.retry_after or catch_up > RETRY_MAX_CATCH_UP * interpolate(self.t_verify, 1):
@@ -170,9 +222,14 @@ class AutoDrafter(Drafter):
         self.plain_rounds, self.retry_after = 0, min(2 * self.retry_after, NO_SPEC_RETRY_MAX)  # retry: it drafts
         return False
 
+    def _known(self, name: str) -> Realized | None:
+        """What expensive drafter ``name``'s recent rounds delivered, None while that record is short."""
+        done = self.memory.realized.get(name)
+        return done if done is not None and done.known else None
+
     def _plain_step(self, request: DraftRequest) -> Draft:
         """An empty draft [1, 0]: the engine runs one target step, which it times as t_verify(1)."""
-        self._round = (None, None, 0)
+        self._round = (None, None, 0, None)
         return Draft(torch.empty(1, 0, dtype=torch.long, device=request.device))
 
     def propose(self, request: DraftRequest) -> Draft:
@@ -202,24 +259,44 @@ class AutoDrafter(Drafter):
                 catch_up, long = self._catch_up_seconds(name, d, request, step) if step else (0.0, False)
                 extra = self._spread(catch_up, long, request, ctl, K)
                 value = ctl.tokens_per_second(K, t_draft=prior, extra_s=extra) if step else 0.0
+                done = self._known(name)
+                if done is not None:  # what its rounds delivered, not the model
+                    value = done.tokens_per_second(extra if long else 0.0)  # a short catch-up is in its rounds
                 options.append((value, name, d, ctl, K, None, catch_up))
         if not options:  # only cheap drafters and none found anything: a plain target step
             return self._plain_step(request)
-        value, name, d, ctl, K, draft, spent = max(options, key=lambda o: o[0])  # the first on ties
-        if self._plain_wins(value, ctl, spent):
+        # an expensive drafter whose record is still short is not outvalued by another expensive one with a record
+        # (one whose record grew old only if it catches up cheaply: not after sitting out a long stretch)
+        untried = [o for o in options if o[5] is None and self._known(o[1]) is None
+                   and (o[1] not in self.memory.realized or not step or o[6] <= RETRY_MAX_CATCH_UP * step)]
+        pool = [o for o in options if o[5] is not None] + untried if untried else options
+        best = max(pool, key=lambda o: o[0])  # the first on ties
+        value, name, d, ctl, K, draft, spent = best
+        if best in untried and self.plain_rounds:  # it drafts in the middle of plain rounds: that was their retry
+            self.plain_rounds, self.retry_after = 0, min(2 * self.retry_after, NO_SPEC_RETRY_MAX)
+        margin = SPEC_MARGIN if draft is not None else REALIZED_MARGIN  # a cheap draft is valued by the model
+        if best not in untried and self._plain_wins(value, ctl, spent, margin):
             return self._plain_step(request)
         if draft is None:  # a drafter that ends its rounds itself (early_stop) gets the largest K as its cap
             cap = request.num_tokens if d.early_stop else K
             draft = d.propose(replace(request, num_tokens=cap))
             self.catch_up = d.catch_up  # the engine keeps it out of the draft cost, and learns it for ``name``
-        self._round = (d, ctl, draft.tokens.shape[1])
+        self._round = (d, ctl, draft.tokens.shape[1], None if d.cheap else name)
         return replace(draft, source=name)
 
     def update(self, num_accepted: int) -> None:
         if self._round is None:
             return
-        d, ctl, K = self._round
-        if d is None:  # a plain step: nothing drafted, nothing to learn (the engine timed it)
+        d, ctl, K, expensive = self._round
+        for name, done in self.memory.realized.items():  # what the drafters that sat this round out did grows older
+            if name != expensive:
+                done.fade()
+        if d is None:  # a plain step: nothing drafted, nothing else to learn (the engine timed it)
             return
         ctl.observe(K, num_accepted)
         d.update(num_accepted)
+        if expensive is not None and self.t_verify:
+            fed, caught_up_s = self.catch_up
+            seconds = (K * (self.costs.draft.get(expensive) or 0.0) + interpolate(self.t_verify, K + 1)
+                       + (caught_up_s if fed <= LONG_CATCH_UP else 0.0))  # a prompt's catch-up is valued apart
+            self.memory.realized.setdefault(expensive, Realized()).observe(num_accepted + 1, seconds)
