@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-p", type=float, default=0.0, help="0..1: drop tokens under min-p x the likeliest's probability")
     g.add_argument("--logit-bias", action="append", default=[], metavar="ID=VALUE",
                    help="add VALUE (-100..100) to token ID's logit (repeatable)")
+    fmt = g.add_mutually_exclusive_group()
+    fmt.add_argument("--json-object", action="store_true", help="the output is one JSON object (a grammar mask: exact "
+                                                                 "under every method)")
+    fmt.add_argument("--json-schema", default=None, metavar="FILE",
+                     help="the output is JSON matching the schema in FILE (a JSON schema, or OpenAI's "
+                          '{"name": ..., "schema": {...}})')
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="each new token's log-probability and its row's N likeliest tokens (0-20): in --json's "
                         '"logprobs", else one line a token on stderr')
@@ -118,6 +124,26 @@ def logit_bias(pairs: list[str]) -> dict[int, float]:
     return out
 
 
+def response_format(args) -> dict | None:
+    """--json-object / --json-schema FILE -> SamplingParams.response_format (checked there, before a model loads)."""
+    if args.json_object:
+        return {"type": "json_object"}
+    if args.json_schema is None:
+        return None
+    try:
+        schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise VerispecError(f"--json-schema: cannot read {args.json_schema} ({e.strerror or e})") from None
+    except (UnicodeError, ValueError) as e:
+        raise VerispecError(f"--json-schema: {args.json_schema} is not a JSON file "
+                            f"({str(e).splitlines()[0]})") from None
+    if not isinstance(schema, dict):
+        raise VerispecError(f"--json-schema: {args.json_schema} must hold a JSON object (a schema)")
+    if isinstance(schema.get("schema"), dict):  # OpenAI's json_schema object: {"name": ..., "schema": {...}}
+        return {"type": "json_schema", "json_schema": schema}
+    return {"type": "json_schema", "json_schema": {"name": Path(args.json_schema).stem, "schema": schema}}
+
+
 def cmd_generate(args) -> int:
     from . import LLM, SamplingParams
 
@@ -126,7 +152,8 @@ def cmd_generate(args) -> int:
                             top_p=args.top_p, seed=args.seed, stop=[unescape(s) for s in args.stop],
                             logprobs=args.logprobs, presence_penalty=args.presence_penalty,
                             frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
-                            min_p=args.min_p, logit_bias=logit_bias(args.logit_bias))
+                            min_p=args.min_p, logit_bias=logit_bias(args.logit_bias),
+                            response_format=response_format(args))
     llm = LLM(**engine_options(args))
     kw = dict(method=args.method, num_draft_tokens=args.num_draft_tokens, chat=args.chat, system=args.system,
               **spec_options(args))

@@ -6,6 +6,8 @@ with a one-line message naming the field.
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import dataclass, field, replace
 
@@ -63,6 +65,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # -2..2, per occurrence in the output (OpenAI's)
     repetition_penalty: float = 1.0  # > 0: divides positive logits of tokens seen in prompt or output (vLLM's)
     min_p: float = 0.0  # 0..1: drop tokens under min_p x the likeliest one's probability
+    # OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
+    # (a dict or its JSON text), kept as compact JSON text (hashable); {"type": "text"} or None: no constraint
+    response_format: str | dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -95,10 +100,68 @@ class SamplingParams:
         _check(_is_real(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
                and self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in 0..1, got {self.min_p!r}")
+        object.__setattr__(self, "response_format", _response_format(self.response_format))
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _SAMPLING_EPS
+
+    @property
+    def response_schema(self) -> dict | None:
+        """The JSON schema the output must match (json_object: any object), None without a response format."""
+        return None if self.response_format is None else json_schema_of(json.loads(self.response_format))
+
+
+_FORMAT_RULE = ('response_format must be {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+                '{"name": ..., "schema": {...}}} (or {"type": "text"})')
+
+
+def json_schema_of(response_format: dict) -> dict:
+    """A checked response format (not text) -> the JSON schema it constrains the output to."""
+    if response_format["type"] == "json_object":
+        return {"type": "object"}
+    return response_format["json_schema"]["schema"]
+
+
+def _response_format(value) -> str | None:
+    """OpenAI's response_format (a dict or its JSON text) -> compact JSON text, None for plain text; the schema is
+    compiled by llguidance (the grammar engine, sampling/grammar.py) so that a bad one fails here, in one line."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"response_format is not JSON ({e})") from None
+    _check(isinstance(value, dict) and value.get("type") in ("text", "json_object", "json_schema"), _FORMAT_RULE)
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_schema":
+        spec = value.get("json_schema")
+        _check(isinstance(spec, dict) and isinstance(spec.get("schema"), dict), _FORMAT_RULE)
+        _check(isinstance(spec.get("name", ""), str), f"response_format: json_schema.name must be a string, "
+                                                       f"got {spec.get('name')!r}")
+        _check(isinstance(spec.get("strict", True), bool), f"response_format: json_schema.strict must be true or "
+                                                            f"false, got {spec.get('strict')!r}")
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"response_format is not JSON ({e})") from None
+    error = _schema_error(json.dumps(json_schema_of(value), separators=(",", ":")))
+    _check(not error, f"response_format: invalid JSON schema: {error}")
+    return text
+
+
+@functools.lru_cache(maxsize=64)
+def _schema_error(schema: str) -> str:
+    """Why llguidance cannot compile the JSON schema (text), in one line; '' if it can."""
+    from llguidance import LLMatcher
+
+    try:
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_json_schema(schema))
+    except ValueError as e:
+        is_error, messages = True, [str(e)]
+    return (messages[0].strip().splitlines() or ["unknown error"])[0] if is_error else ""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from .models.loader import LoadedModel, auto_dtype, load
 from .models.registry import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
 from .spec.costs import Costs
 from .frontend import fit_context
-from .sampling import TokenLogprob
+from .sampling import Grammars, TokenLogprob
 from .stopping import StopChecker
 from .tokenizer import Codec
 
@@ -79,6 +79,7 @@ class LLM:
         self.target: LoadedModel = load(target, self.dtype, self.device, progress=progress, weights=weights)
         self.codec = Codec(self.target.tokenizer, self.target.config.vocab_size)
         self.logit_mask = padding_mask(self.target, self.device)  # [V] bool or None
+        self.grammars = Grammars(self.target.tokenizer, self.target.config.vocab_size, self.eos_token_ids)
         self.draft: LoadedModel | None = None
         self.draft_calibrations: dict = {}  # the draft model's confidence -> acceptance, per sampling setting
         self.draft_prefixes = PrefixCache()  # the draft's KV cache from the last request (drafters/draft_model.py)
@@ -204,7 +205,8 @@ class LLM:
         chunk = -(-self.target.config.max_position_embeddings // BLOCK_SIZE) * BLOCK_SIZE
         make = lambda n: Engine(self.target.model, n, BLOCK_SIZE, max_num_seqs=1,  # noqa: E731
                                 max_num_batched_tokens=chunk, chunk_size=chunk, logit_mask=self.logit_mask,
-                                eos_token_ids=self.eos_token_ids, prefix_reuse=False, costs=self.costs)
+                                eos_token_ids=self.eos_token_ids, prefix_reuse=False, costs=self.costs,
+                                grammars=self.grammars)
         if self._engine is not None and self._engine.requests:
             return make(blocks)
         self._engine = None  # free the old cache first

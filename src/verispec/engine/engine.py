@@ -102,8 +102,9 @@ class Engine:
     def __init__(self, target: Transformer, num_blocks: int, block_size: int = 16, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, chunk_size: int = 256, logit_mask: torch.Tensor | None = None,
                  eos_token_ids: tuple[int, ...] = (), prefix_reuse: bool = True,
-                 max_draft_tokens: int = MAX_DRAFT_TOKENS, costs: Costs | None = None):
+                 max_draft_tokens: int = MAX_DRAFT_TOKENS, costs: Costs | None = None, grammars=None):
         self.max_draft_tokens = max_draft_tokens  # no request drafts more a step, whatever it asks
+        self.grammars = grammars  # the model's sampling.Grammars: a request's response format (None: refused)
         self.target, self.logit_mask, self.eos_token_ids = target, logit_mask, tuple(eos_token_ids)
         self.device = target.embed_tokens.weight.device
         self.cache = PagedKVCache.for_model(target.config, num_blocks, block_size, target.dtype, self.device)
@@ -137,6 +138,8 @@ class Engine:
         V = self.target.config.vocab_size
         if params.logit_bias and params.logit_bias[-1][0] >= V:
             raise VerispecError(f"logit_bias: token id {params.logit_bias[-1][0]} is outside the vocabulary (0..{V - 1})")
+        chain = ProcessorChain.from_params(params, self.logit_mask, prompt_len=len(prompt_ids),
+                                           grammars=self.grammars)  # before anything is queued: it may refuse
         rid = next(self._ids)
         fixed_k = fixed_k or (not params.greedy and params.seed is not None)
         K = max(0, min(num_draft_tokens, self.max_draft_tokens)) if drafter else 0
@@ -148,8 +151,7 @@ class Engine:
         K = K if drafter else 0
         seq = Sequence(rid, list(prompt_ids), params.max_new_tokens, K, fixed_draft=fixed_k)
         self.scheduler.add(seq)
-        req = Request(rid, seq, params, make_generator(params, self.device), drafter, fixed_k,
-                      chain=ProcessorChain.from_params(params, self.logit_mask, prompt_len=len(prompt_ids)))
+        req = Request(rid, seq, params, make_generator(params, self.device), drafter, fixed_k, chain=chain)
         req.stats.prompt_tokens = len(prompt_ids)
         req.stats.reached, req.stats.accepted_at = [0] * seq.num_draft_tokens, [0] * seq.num_draft_tokens
         layers = drafter.feature_layers if drafter is not None else ()

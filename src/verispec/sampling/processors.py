@@ -8,7 +8,8 @@ any processor (spec/verify.py).
 
 The chain, in order (vLLM's and transformers' order: processors, then the warpers):
 
-1. the vocabulary padding mask (PaddingMask), then any extra processors, on the logits;
+1. the vocabulary padding mask (PaddingMask), then any extra processors, then the params' own (the response
+   format's grammar mask: grammar.py; logit bias, penalties, min-p), on the logits;
 2. temperature, top-k, softmax, top-p (``logits_to_probs``: top-p is a filter on probabilities, so it comes
    after the softmax; greedy params give the one-hot argmax instead).
 
@@ -27,6 +28,7 @@ from typing import ClassVar, Protocol
 import torch
 
 from ..config import SamplingParams
+from ..errors import ConfigError
 from .transforms import logits_to_probs, mask_logits
 
 
@@ -158,12 +160,17 @@ class ProcessorChain:
 
     @classmethod
     def from_params(cls, params: SamplingParams, mask: torch.Tensor | None = None,
-                    extra: Sequence[LogitsProcessor] = (), prompt_len: int = 0) -> ProcessorChain:
+                    extra: Sequence[LogitsProcessor] = (), prompt_len: int = 0, grammars=None) -> ProcessorChain:
         """The padding mask (mask [V], True = padding; None: none), then ``extra``, then the params' processors
-        (logit bias, penalties on the output from ``prompt_len`` on, min-p), then their transforms (temperature,
-        top-k, top-p: ``logits_to_probs``)."""
+        (the response format's grammar mask, logit bias, penalties, min-p; the mask and the penalties read the
+        output from ``prompt_len`` on), then their transforms (temperature, top-k, top-p: ``logits_to_probs``).
+        ``grammars``: the model's ``grammar.Grammars``, needed by a request with a response format."""
         procs = [PaddingMask(mask)] if mask is not None else []
         procs += list(extra)
+        if params.response_format is not None:
+            if grammars is None:
+                raise ConfigError("response_format needs the model's tokenizer: none was given to this engine")
+            procs.append(grammars.mask(params.response_schema, prompt_len))
         if params.logit_bias:
             procs.append(LogitBias(dict(params.logit_bias)))
         if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
