@@ -25,7 +25,7 @@ CASES = [  # (id, path, body: dict or raw bytes, headers, status, param)
     ("float-max-tokens", "completions", {**OK, "max_tokens": 2.5}, AUTH, 400, "max_tokens"),
     ("string-temperature", "completions", {**OK, "temperature": "hot"}, AUTH, 400, "temperature"),
     ("string-stream", "completions", {**OK, "stream": "yes"}, AUTH, 400, "stream"),
-    ("list-of-prompts", "completions", {**OK, "prompt": ["a", "b"]}, AUTH, 400, "prompt"),
+    ("mixed-list-of-prompts", "completions", {**OK, "prompt": ["a", 1]}, AUTH, 400, "prompt"),
     ("messages-not-a-list", "chat/completions", {**CHAT, "messages": "hi"}, AUTH, 400, "messages"),
     ("content-not-text", "chat/completions", {**CHAT, "messages": [{"role": "user", "content": 5}]}, AUTH, 400,
      "messages"),
@@ -50,7 +50,8 @@ CASES = [  # (id, path, body: dict or raw bytes, headers, status, param)
     ("empty-token-list", "completions", {**OK, "prompt": []}, AUTH, 400, None),
     ("token-outside-vocab", "completions", {**OK, "prompt": [1, 99999]}, AUTH, 400, None),
     ("prompt-past-context", "completions", {**OK, "prompt": "x" * 300}, AUTH, 400, None),
-    ("n-2", "completions", {**OK, "n": 2}, AUTH, 400, "n"),
+    ("n-17", "completions", {**OK, "n": 17}, AUTH, 400, "n"),  # 1..16
+    ("n-0", "chat/completions", {**CHAT, "n": 0}, AUTH, 400, "n"),
     ("unknown-field", "chat/completions", {**CHAT, "foo": 1}, AUTH, 400, "foo"),
     ("penalty-out-of-range", "completions", {**OK, "frequency_penalty": 2.5}, AUTH, 400, "frequency_penalty"),
     ("bias-out-of-range", "completions", {**OK, "logit_bias": {"5": 101}}, AUTH, 400, "logit_bias"),

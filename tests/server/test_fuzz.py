@@ -74,7 +74,7 @@ def valid(rng: random.Random) -> tuple[str, dict]:
         "seed": lambda: rng.choice([0, 1, -(2**63), 2**64 - 1, rng.randrange(2**32)]),
         "stop": lambda: stop(rng),
         "stream": lambda: rng.random() < 0.5,
-        "n": lambda: 1,
+        "n": lambda: rng.choice([1, 1, 2, 3]),  # each choice takes a seat: WORKERS x 3 + the neighbour fit
         "ignore_eos": lambda: rng.random() < 0.5,
         "num_speculative_tokens": lambda: rng.randint(0, 16),
         "user": lambda: "fuzz", "metadata": lambda: {"k": "v"}, "store": lambda: False,
@@ -101,7 +101,7 @@ WRONG_TYPES = {"temperature": "hot", "max_tokens": 2.5, "top_p": "1", "top_k": 1
                "stop": 5, "n": "1", "ignore_eos": 1, "num_speculative_tokens": "4", "model": 5, "user": 5,
                "stream_options": {"include_usage": "yes"}, "metadata": {"k": 1}, "logit_bias": "none"}
 OUT_OF_RANGE = {"temperature": [-1, 2.0001, 1e308], "top_p": [0, -0.1, 1.5], "top_k": [-2], "max_tokens": [0, -5],
-                "seed": [2**64, -(2**63) - 1], "num_speculative_tokens": [-1, 17, 10**9], "n": [0, 2],
+                "seed": [2**64, -(2**63) - 1], "num_speculative_tokens": [-1, 17, 10**9], "n": [0, -1, 17, 10**6],
                 "frequency_penalty": [2.5, -3], "logit_bias": [{"1": 101}, {"x": 1}, {"99999999": 1}],
                 "model": ["gpt-9"], "top_logprobs": [21, -1], "min_p": [-0.1, 2], "repetition_penalty": [0, -1]}
 
@@ -129,7 +129,7 @@ def invalid(rng: random.Random) -> tuple[str, dict | bytes]:
                 else [{"role": "user", "content": "x" * 300}])
     elif kind == 4:  # prompts that cannot run
         if path == "completions":
-            body["prompt"] = rng.choice(["", "   ", [], [VOCAB], [-1], [2**40], [1.5], ["a", "b"], {"a": 1}, None])
+            body["prompt"] = rng.choice(["", "   ", [], [VOCAB], [-1], [2**40], [1.5], ["a", 1], {"a": 1}, None])
         else:
             body["messages"] = rng.choice([[], "hi", [{"role": "user"}], [{"role": "robot", "content": "hi"}],
                                            [{"role": "assistant", "content": "hi"}], [{"role": "user", "content": 5}],

@@ -7,9 +7,16 @@ API key, 404 for an unknown model or route, 413 for a body over 1 MiB, 429 (with
 in flight than the server queues, 500 only for a bug (a request that fails fails alone: see runner.py), 503 (and
 /health 503) if the engine thread is gone. ``stop`` takes at most 4 strings of at most 256 characters (protocol.py).
 
-Streaming sends one ``data:`` chunk per engine step that produced text or finished (the last one carries
-``finish_reason`` and ``metrics``), then, with ``stream_options.include_usage``, a chunk with ``usage`` and no
-choices, then ``data: [DONE]``. Responses and final chunks carry ``metrics.speculative_decoding`` (runner.py).
+A request asks for ``n`` (1..16) samples of each of its prompts (/v1/completions takes up to 16): one choice each,
+``index`` = prompt index x n + sample index, all submitted together (they batch in the engine) and each taking a seat
+in the queue bound (429 when they do not all fit now, 400 when they could never fit). ``usage`` sums the choices
+(each prompt's tokens counted once, as OpenAI does), as ``metrics.speculative_decoding`` does. A choice that fails
+fails the request; a request that ends (answered, failed, client gone) closes all its choices.
+
+Streaming sends one ``data:`` chunk per engine step and choice that produced text or finished, the choice's
+``index`` in it (its last one carries its ``finish_reason`` and its own ``metrics``), then, with
+``stream_options.include_usage``, one chunk with the request's ``usage`` and no choices, then ``data: [DONE]``.
+Responses and final chunks carry ``metrics.speculative_decoding`` (runner.py).
 
 Each text chunk also carries a non-standard ``verispec`` object (OpenAI clients keep it as an unknown field) that
 splits its text by how it was produced, and the request's running counts after the step::
@@ -29,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import secrets
 import time
 import uuid
@@ -47,7 +55,7 @@ from ..errors import ConfigError, VerispecError
 from ..llm import AR, LLM
 from .metrics import Metrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, GenerateRequest, bad_request
-from .runner import Generation, QueueFull, Runner, StepEvent
+from .runner import Choices, QueueFull, Runner, StepEvent
 
 MAX_BODY_BYTES = 1 << 20
 BLOCK_SIZE = 16
@@ -65,7 +73,7 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
     spec = SpecConfig(method, num_draft_tokens, **(spec_options or {}))
     engine = Engine(llm.target.model, kv_cache_tokens // BLOCK_SIZE, BLOCK_SIZE, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=max(512, max_num_seqs), logit_mask=llm.logit_mask,
-                    eos_token_ids=llm.eos_token_ids)
+                    eos_token_ids=llm.eos_token_ids, grammars=llm.grammars)
     metrics = Metrics(model_name, num_draft_tokens if method != AR else 0)
     waiting = 4 * max_num_seqs if max_waiting is None else max_waiting
     runner = Runner(llm, engine, metrics, spec, max_num_seqs + waiting)
@@ -99,40 +107,45 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
     @v1.post("/completions")
     async def completions(request: Request):
         body = await read_body(request, CompletionRequest)
-        return await generate(request, body, body.prompt, body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, False)
+        return await generate(request, body, body.prompts(), body.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS, False)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request, ChatCompletionRequest)
         messages = [m.as_template_input() for m in body.messages]
-        return await generate(request, body, messages, body.max_completion_tokens or body.max_tokens, True)
+        return await generate(request, body, [messages], body.max_completion_tokens or body.max_tokens, True)
 
-    async def generate(request: Request, body: GenerateRequest, prompt, max_tokens: int | None, chat: bool):
+    async def generate(request: Request, body: GenerateRequest, prompts: list, max_tokens: int | None, chat: bool):
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist (this server has {model_name!r})",
                            param="model", code="model_not_found")
         if not runner.alive:
             raise APIError(503, "the engine thread has stopped", "server_error")
+        n = body.n
+        if len(prompts) * n > runner.max_in_flight:  # a 429 would never clear
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={n} choices is more than the {runner.max_in_flight} "
+                                "this server queues", param="n" if n > 1 else "prompt")
         try:
-            params = SamplingParams(max_new_tokens=max_tokens or 1, **body.sampling())
-            gen = await runner.submit(prompt, params, max_tokens, body.num_speculative_tokens)
+            samples = [SamplingParams(max_new_tokens=max_tokens or 1, **body.sampling(i)) for i in range(n)]
+            choices = await runner.submit([(prompt, params) for prompt in prompts for params in samples], max_tokens,
+                                          body.num_speculative_tokens, n)
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
-        except VerispecError as e:  # "field: ..." names the parameter (logit_bias past the vocabulary, say)
-            field = str(e).split(":")[0]
+        except VerispecError as e:  # a message that starts with a field names the parameter (logit_bias past the
+            field = re.match(r"\w*", str(e)).group()  # vocabulary, a response_format's schema that cannot compile)
             raise APIError(400, str(e), param=field if field in type(body).model_fields else None) from None
-        reply = Reply(gen, model_name, chat, body.include_usage)
+        reply = Reply(choices, model_name, chat, body.include_usage)
         if body.stream:
-            return SSEResponse(gen, reply.events(), media_type="text/event-stream",
+            return SSEResponse(choices, reply.events(), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
         try:
-            if not await finished_unless_disconnected(request, gen):
+            if not await finished_unless_disconnected(request, choices):
                 return Response(status_code=499)  # nobody is listening
-        except RuntimeError as e:  # the request failed in the engine (a bug): its message, not just its type
+        except RuntimeError as e:  # a choice failed in the engine (a bug): its message, not just its type
             raise APIError(500, str(e), "server_error") from None
         finally:
-            gen.close()
+            choices.close()
         return reply.whole()
 
     app.include_router(v1)
@@ -193,10 +206,10 @@ async def read_body(request: Request, model: type[GenerateRequest]) -> GenerateR
         raise bad_request(e) from None
 
 
-async def finished_unless_disconnected(request: Request, gen: Generation) -> bool:
-    """Wait for the generation's last step; False (and the wait cancelled) if the client goes first."""
+async def finished_unless_disconnected(request: Request, choices: Choices) -> bool:
+    """Wait for every choice's last step; False (and the wait cancelled) if the client goes first."""
     async def finished():
-        async for _ in gen.events():
+        async for _ in choices.events():
             pass
 
     async def disconnected():
@@ -214,43 +227,49 @@ async def finished_unless_disconnected(request: Request, gen: Generation) -> boo
 
 
 class SSEResponse(StreamingResponse):
-    """A stream that closes its generation however it ends (finished, client gone, never started)."""
+    """A stream that closes its request's generations however it ends (finished, client gone, never started)."""
 
-    def __init__(self, gen: Generation, *args, **kwargs):
+    def __init__(self, choices: Choices, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gen = gen
+        self.choices = choices
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.gen.close()
+            self.choices.close()
 
 
 class Reply:
-    """The OpenAI response objects of one generation: whole, or as chunks."""
+    """The OpenAI response objects of one request's choices: whole, or as chunks."""
 
-    def __init__(self, gen: Generation, model_name: str, chat: bool, include_usage: bool):
-        self.gen, self.chat, self.include_usage = gen, chat, include_usage
-        self.codec, self.offset = gen.runner.llm.codec, 0  # offset: characters before a completion chunk's tokens
+    def __init__(self, choices: Choices, model_name: str, chat: bool, include_usage: bool):
+        self.choices, self.chat, self.include_usage = choices, chat, include_usage
+        self.codec = choices.gens[0].runner.llm.codec
+        self.with_logprobs = choices.gens[0].params.logprobs is not None
+        self.offsets = [0] * len(choices.gens)  # per choice: characters before a completion chunk's tokens
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
                      "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                      "model": model_name}
 
     def summary(self) -> dict:
-        return {"usage": self.gen.usage(), "metrics": {"speculative_decoding": self.gen.spec_stats()}}
+        return {"usage": self.choices.usage(), "metrics": {"speculative_decoding": self.choices.spec_stats()}}
 
     def whole(self) -> dict:
-        text = self.gen.text
-        choice = {"index": 0, **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}),
-                  "logprobs": self.logprobs(self.gen.logprobs), "finish_reason": self.gen.finish_reason}
-        return {**self.head, "choices": [choice], **self.summary()}
+        def choice(gen) -> dict:
+            text = gen.text
+            return {"index": gen.index,
+                    **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}),
+                    "logprobs": self.logprobs(gen.index, gen.logprobs), "finish_reason": gen.finish_reason}
 
-    def logprobs(self, lps) -> dict | None:
+        return {**self.head, "choices": [choice(gen) for gen in self.choices.gens], **self.summary()}
+
+    def logprobs(self, index: int, lps) -> dict | None:
         """OpenAI's ``logprobs`` of a choice for these tokens (sampling/logprobs.py: the target's own, before
         temperature), or None when the request asked for none: chat's ``content`` entries (token, logprob, bytes,
-        top_logprobs), or the completions API's parallel lists (tokens, token_logprobs, top_logprobs, text_offset)."""
-        if self.gen.params.logprobs is None:
+        top_logprobs), or the completions API's parallel lists (tokens, token_logprobs, top_logprobs, text_offset: in
+        the text of choice ``index``)."""
+        if not self.with_logprobs:
             return None
         text = self.codec.decode
         if self.chat:
@@ -261,31 +280,33 @@ class Reply:
             return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                                 for lp in lps], "refusal": None}
         tokens = [text([lp.token]) for lp in lps]
-        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=self.offset))
-        self.offset = offsets.pop()
+        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=self.offsets[index]))
+        self.offsets[index] = offsets.pop()
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [{text([t]): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
     async def events(self):
-        """``data: {chunk}`` per engine step that produced text or finished, the usage chunk if asked, [DONE]."""
+        """``data: {chunk}`` per engine step and choice that produced text or finished, the usage chunk if asked,
+        [DONE]."""
         head = {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion"}
-        first = True
+        started = set()  # choices that sent a chunk (chat: the first one carries the role)
         try:
-            async for event in self.gen.events():
+            async for index, event in self.choices.events():
                 text, finish = event.text, event.finish_reason
                 if self.chat:
-                    delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
-                    choice = {"index": 0, "delta": delta}
+                    delta = ({"content": text} if text else {}) if index in started else {"role": "assistant",
+                                                                                            "content": text}
+                    choice = {"index": index, "delta": delta}
                 else:
-                    choice = {"index": 0, "text": text}
-                chunk = {**head, "choices": [{**choice, "logprobs": self.logprobs(event.logprobs),
+                    choice = {"index": index, "text": text}
+                chunk = {**head, "choices": [{**choice, "logprobs": self.logprobs(index, event.logprobs),
                                               "finish_reason": finish}]}
                 chunk["verispec"] = origin(event)
                 if self.include_usage:
                     chunk["usage"] = None
                 if finish is not None:
-                    chunk["metrics"] = self.summary()["metrics"]
-                first = False
+                    chunk["metrics"] = {"speculative_decoding": self.choices.gens[index].spec_stats()}
+                started.add(index)
                 yield f"data: {json.dumps(chunk)}\n\n"
         except RuntimeError as e:  # the engine failed mid-stream
             error = {"message": str(e), "type": "server_error", "param": None, "code": None}

@@ -7,6 +7,11 @@ honouring ``best_of: 2`` silently as 1 would change the output the caller asked 
 (temperature 1, top_p 1); ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` are extensions, as in
 vLLM. ``stop`` takes at most
 4 strings (OpenAI's limit) of at most 256 characters each: every generated token is checked against each of them.
+
+``n`` (1..16) asks for that many independent samples of each prompt; /v1/completions' ``prompt`` is one prompt (a
+string or a token-id list) or up to 16 (a list of strings or of token-id lists): the choices are prompt-major
+(choice index = prompt index x n + sample index), as OpenAI orders them. With a ``seed``, sample i draws from
+``sample_seed(seed, i)``. ``stream_options`` needs ``stream`` true (OpenAI's rule).
 """
 
 from __future__ import annotations
@@ -19,12 +24,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_N = 16  # samples a request may ask for of each prompt (OpenAI allows 128)
+MAX_PROMPTS = 16  # prompts in one /v1/completions request
 # field -> its no-op values (null is always one)
 NEUTRAL: dict[str, tuple] = {
     "best_of": (1,), "echo": (False,), "suffix": (), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "response_format": ({"type": "text"},),
-    "parallel_tool_calls": (True, False),
+    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False),
 }
+
+
+def sample_seed(seed: int | None, sample: int) -> int | None:
+    """The seed of a request's ``sample``-th sample of a prompt: seed + sample mod 2**64, the seed as given for the
+    first (a negative seed is torch's to map, as for a request of one choice), so that the samples differ and the
+    request replays."""
+    if seed is None or sample == 0:
+        return seed
+    return (seed + sample) % (MAX_SEED + 1)
 
 
 class APIError(Exception):
@@ -87,7 +102,7 @@ class GenerateRequest(Strict):
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: off
     seed: int | None = Field(None, ge=-(2**63), le=MAX_SEED)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -104,13 +119,6 @@ class GenerateRequest(Strict):
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> -100..100
     repetition_penalty: float | None = Field(None, gt=0, le=100)  # vLLM's extra: 1 = off
     min_p: float | None = Field(None, ge=0, le=1)  # vLLM's extra: 0 = off
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported (one choice per request)")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -140,15 +148,23 @@ class GenerateRequest(Strict):
             raise ValueError(f"{info.field_name}={value!r:.60} is not supported")
         return None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling(self) -> dict:
-        """SamplingParams fields (max_new_tokens apart: it may depend on the prompt's length)."""
+    def sampling(self, sample: int = 0) -> dict:
+        """SamplingParams fields of the ``sample``-th sample of a prompt (max_new_tokens apart: it may depend on the
+        prompt's length)."""
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return dict(temperature=1.0 if self.temperature is None else self.temperature,
-                    top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0), seed=self.seed,
+                    top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0),
+                    seed=sample_seed(self.seed, sample),
                     stop=stop, ignore_eos=self.ignore_eos, logprobs=self.num_logprobs(),
                     logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
                     presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
@@ -161,11 +177,26 @@ class GenerateRequest(Strict):
 
 
 class CompletionRequest(GenerateRequest):
-    prompt: str | list[int]
+    prompt: str | list[int] | list[str] | list[list[int]]  # OpenAI's four shapes: one prompt, or a list of them
     logprobs: int | None = Field(None, ge=0, le=5)  # OpenAI's legacy limit
     best_of: Any = None
     echo: Any = None
     suffix: Any = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _bounded_prompts(cls, prompt):
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts, got {len(prompt)}")
+        return prompt
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts in order: a string or a token-id list is one (an empty list too, refused as an empty prompt
+        is), a list of strings or of token-id lists is one each."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]
+        return list(prompt)
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -180,7 +211,10 @@ class ChatCompletionRequest(GenerateRequest):
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
+    # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}:
+    # checked (and the schema compiled) by SamplingParams, whose one-line error answers 400 with param
+    # "response_format"
+    response_format: dict[str, Any] | None = None
     parallel_tool_calls: Any = None
 
     @model_validator(mode="after")
@@ -191,3 +225,6 @@ class ChatCompletionRequest(GenerateRequest):
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def sampling(self, sample: int = 0) -> dict:
+        return {**super().sampling(sample), "response_format": self.response_format}

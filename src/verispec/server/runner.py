@@ -7,6 +7,10 @@ origin: the text of the step's accepted draft tokens, then that of the token the
 or bonus token of a verify step, or the token of a plain step). A stop string, or a client gone
 (``Generation.close``), aborts the request in the engine thread, which frees its blocks.
 
+An HTTP request's choices (``n`` samples of each of its prompts) are submitted together as one ``Choices``: admitted
+in one go, all or none, so they batch in the engine; each takes a seat in the queue bound; their events share one
+queue, tagged with the choice's index.
+
 A request that fails fails alone: the Engine isolates a request's failure inside a step (its drafter's, or its own
 rows' accept and commit: ``Request.error``), and the runner one in a request's detokenising; only a step that raises
 as a whole (the batched forward) fails what runs (``_fail_all``, the last resort).
@@ -56,19 +60,27 @@ class StepEvent(NamedTuple):
         return "".join(p.text for p in self.pieces)
 
 
+def spec_stats(num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> dict:
+    """vLLM's speculative-decoding names; mean_acceptance_length = 1 + accepted / drafts (tokens per verify)."""
+    mean = 1 + num_accepted_tokens / num_drafts if num_drafts else 1.0
+    return {"num_drafts": num_drafts, "num_draft_tokens": num_draft_tokens,
+            "num_accepted_tokens": num_accepted_tokens, "mean_acceptance_length": round(mean, 4)}
+
+
 @dataclass(eq=False)
 class Generation:
-    """One request, shared by its route (event loop) and the engine thread. Only the engine thread writes the fields
-    from ``req`` on; the route reads them after the event that ends the request."""
+    """One choice of a request, shared by its route (event loop) and the engine thread. Only the engine thread writes
+    the fields from ``req`` on; the route reads them after the event that ends the choice."""
 
     prompt: str | list[int] | list[dict]
     params: SamplingParams  # max_new_tokens: a placeholder when max_tokens is None
     max_tokens: int | None  # None: whatever room the context and the cache leave
     runner: Runner
     loop: asyncio.AbstractEventLoop
-    admitted: asyncio.Future
+    admitted: asyncio.Future  # shared by the request's choices: they are admitted together
     num_speculative_tokens: int | None = None  # the request's own K (fixed), or None: the cost model's
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # a StepEvent per step, or an Exception
+    index: int = 0  # the choice's index in the request
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # the request's: (index, StepEvent), or an Exception
     arrival: float = field(default_factory=time.perf_counter)
     req: Request | None = None
     stopper: StopChecker | None = None
@@ -87,31 +99,49 @@ class Generation:
         """Tokens generated, an EOS that ended the request and the token that completed a stop string included."""
         return len(self.stopper.token_ids) if self.stopper else 0
 
-    def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
-
     def spec_stats(self) -> dict:
-        """vLLM's speculative-decoding names; mean_acceptance_length = 1 + accepted / drafts (tokens per verify)."""
-        mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
-                "num_accepted_tokens": self.num_accepted_tokens, "mean_acceptance_length": round(mean, 4)}
-
-    async def events(self):
-        """Yield a StepEvent per engine step that produced text or finished; the last has the finish reason."""
-        while True:
-            event = await self.queue.get()
-            if isinstance(event, Exception):
-                raise event
-            yield event
-            if event.finish_reason is not None:
-                return
+        return spec_stats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens)
 
     def close(self) -> None:
         """The route is done (finished, failed or the client gone): abort what still runs, free the seat."""
         if not self.closed:
             self.closed = True
             self.runner.release(self)
+
+
+@dataclass(eq=False)
+class Choices:
+    """A request's generations, choice index order: ``samples`` of each prompt in turn (prompt-major). They share
+    one event queue; ``close`` closes them all."""
+
+    gens: list[Generation]
+    samples: int = 1  # choices per prompt
+
+    def usage(self) -> dict:
+        """Summed over the choices, each prompt's tokens counted once (as OpenAI counts them)."""
+        prompt = sum(g.prompt_tokens for g in self.gens[::self.samples])
+        completion = sum(g.completion_tokens for g in self.gens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def spec_stats(self) -> dict:
+        """The choices' speculative counts summed."""
+        return spec_stats(*(sum(getattr(g, k) for g in self.gens)
+                            for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")))
+
+    async def events(self):
+        """Yield (choice index, StepEvent) per engine step that produced text or finished a choice, until every
+        choice has had its last event (the one with the finish reason); a choice's failure raises here."""
+        queue, left = self.gens[0].queue, len(self.gens)
+        while left:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield item
+            left -= item[1].finish_reason is not None
+
+    def close(self) -> None:
+        for gen in self.gens:
+            gen.close()
 
 
 class Runner:
@@ -123,7 +153,7 @@ class Runner:
         self.context = llm.target.config.max_position_embeddings
         self.cache_tokens = engine.blocks.num_blocks * engine.blocks.block_size
         self.in_flight = 0  # event-loop side only
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add" | "abort", Generation) or None to stop
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add", [Generation]), ("abort", Generation) or None
         self._live: dict[int, Generation] = {}  # engine request id -> generation (engine thread only)
         self._thread = threading.Thread(target=self._loop, name="verispec-engine", daemon=True)
         self._preemptions = 0
@@ -144,23 +174,29 @@ class Runner:
         as LLM.generate makes it; the engine calls it with the request's K (Engine.add)."""
         return self.llm.make_drafter(self.spec.with_k(num_draft_tokens or self.spec.num_draft_tokens))
 
-    async def submit(self, prompt: str | list[int] | list[dict], params: SamplingParams,
-                     max_tokens: int | None, num_speculative_tokens: int | None = None) -> Generation:
-        """Queue a request; raises QueueFull, or VerispecError when it can never run (bad prompt, too long)."""
+    async def submit(self, choices: list[tuple[str | list[int] | list[dict], SamplingParams]], max_tokens: int | None,
+                     num_speculative_tokens: int | None = None, samples: int = 1) -> Choices:
+        """Queue a request's choices, (prompt, params) each in index order, ``samples`` per prompt; all are admitted
+        or none. Raises QueueFull (every choice takes a seat), or VerispecError when one can never run (a bad prompt,
+        too long)."""
         if not self.alive:
             raise RuntimeError("the engine thread has stopped")
-        if self.in_flight >= self.max_in_flight:
-            raise QueueFull(f"{self.in_flight} requests in flight, the most this server queues")
+        if self.in_flight + len(choices) > self.max_in_flight:
+            raise QueueFull(f"{self.in_flight} choices in flight and {len(choices)} asked for, past the "
+                            f"{self.max_in_flight} this server queues")
         loop = asyncio.get_running_loop()
-        gen = Generation(prompt, params, max_tokens, self, loop, loop.create_future(), num_speculative_tokens)
-        self.in_flight += 1
-        self._inbox.put(("add", gen))
+        admitted, events = loop.create_future(), asyncio.Queue()
+        gens = [Generation(prompt, params, max_tokens, self, loop, admitted, num_speculative_tokens, i, events)
+                for i, (prompt, params) in enumerate(choices)]
+        request = Choices(gens, samples)
+        self.in_flight += len(gens)
+        self._inbox.put(("add", gens))
         try:
-            await gen.admitted
+            await admitted
         except BaseException:
-            gen.close()
+            request.close()
             raise
-        return gen
+        return request
 
     def release(self, gen: Generation) -> None:
         """Free the request's seat in the queue bound; abort it in the engine thread if it still runs."""
@@ -190,21 +226,28 @@ class Runner:
             for gen, event in events:
                 self._post(gen, event)
 
-    def _handle(self, kind: str, gen: Generation) -> None:
+    def _handle(self, kind: str, what) -> None:
         if kind == "abort":
+            gen = what
             if gen.req is not None and self._live.pop(gen.req.request_id, None) is not None:
                 self.engine.abort(gen.req.request_id)
             return
+        gens, added = what, []  # a request's choices: all admitted, or none
         try:
-            self._admit(gen)
+            for gen in gens:
+                self._admit(gen)
+                added.append(gen)
         except Exception as e:
             if not isinstance(e, VerispecError):
                 log.exception("admission failed")
-            gen.loop.call_soon_threadsafe(_settle, gen.admitted, e)
+            for gen in added:
+                self.engine.abort(gen.req.request_id)
+            gens[0].loop.call_soon_threadsafe(_settle, gens[0].admitted, e)
             return
-        self._live[gen.req.request_id] = gen
-        self.metrics.prompt_tokens.inc(gen.prompt_tokens)
-        gen.loop.call_soon_threadsafe(_settle, gen.admitted, None)
+        for gen in gens:
+            self._live[gen.req.request_id] = gen
+            self.metrics.prompt_tokens.inc(gen.prompt_tokens)
+        gens[0].loop.call_soon_threadsafe(_settle, gens[0].admitted, None)
 
     def _admit(self, gen: Generation) -> None:
         ids = self.llm.codec.encode(gen.prompt)
@@ -301,8 +344,10 @@ class Runner:
 
     @staticmethod
     def _post(gen: Generation, event) -> None:
+        """A StepEvent, tagged with its choice's index, or an Exception onto the request's queue."""
+        item = event if isinstance(event, Exception) else (gen.index, event)
         try:
-            gen.loop.call_soon_threadsafe(gen.queue.put_nowait, event)
+            gen.loop.call_soon_threadsafe(gen.queue.put_nowait, item)
         except RuntimeError:  # the event loop is closed: the server is stopping
             pass
 
