@@ -38,7 +38,7 @@ CASES = [  # (id, path, body: dict or raw bytes, headers, status, param)
     ("huge-seed", "completions", {**OK, "seed": 2**70}, AUTH, 400, "seed"),
     ("temperature-too-high", "completions", {**OK, "temperature": 5}, AUTH, 400, "temperature"),
     ("top-p-zero", "completions", {**OK, "top_p": 0}, AUTH, 400, "top_p"),
-    ("empty-stop", "completions", {**OK, "stop": [""]}, AUTH, 400, None),
+    ("empty-stop", "completions", {**OK, "stop": [""]}, AUTH, 400, "stop"),
     ("five-stops", "completions", {**OK, "stop": list("abcde")}, AUTH, 400, "stop"),  # OpenAI's limit: 4
     ("5000-stops", "chat/completions", {**CHAT, "stop": [f"s{i}" for i in range(5000)]}, AUTH, 400, "stop"),
     ("long-stop", "completions", {**OK, "stop": "x" * 257}, AUTH, 400, "stop"),
