@@ -272,10 +272,12 @@ class AutoDrafter(Drafter):
         pool = [o for o in options if o[5] is not None] + untried if untried else options
         best = max(pool, key=lambda o: o[0])  # the first on ties
         value, name, d, ctl, K, draft, spent = best
-        if best in untried and self.plain_rounds:  # it drafts in the middle of plain rounds: that was their retry
+        exploring = any(o is best for o in untried)
+        if exploring and self.plain_rounds:  # it drafts in the middle of plain rounds: that was their retry
             self.plain_rounds, self.retry_after = 0, min(2 * self.retry_after, NO_SPEC_RETRY_MAX)
-        margin = SPEC_MARGIN if draft is not None else REALIZED_MARGIN  # a cheap draft is valued by the model
-        if best not in untried and self._plain_wins(value, ctl, spent, margin):
+        # valued by what it delivered, or by the model of its acceptance (a cheap draft, a record gone stale)
+        margin = REALIZED_MARGIN if draft is None and self._known(name) is not None else SPEC_MARGIN
+        if not exploring and self._plain_wins(value, ctl, spent, margin):
             return self._plain_step(request)
         if draft is None:  # a drafter that ends its rounds itself (early_stop) gets the largest K as its cap
             cap = request.num_tokens if d.early_stop else K
