@@ -14,8 +14,14 @@ import torch
 EOS_ID = 256  # the byte tokenizer's "<|end|>"
 VOCAB = 264  # 256 bytes + 2 specials + padding rows, like real checkpoints
 PAD_IDS = list(range(259, VOCAB))  # rows past the tokenizer: verispec never samples them (suppress in HF too)
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>\n{% endfor %}"
+CHAT_TEMPLATE = (  # tool calls as Qwen2.5's template writes them; tools by name only (a short context)
+    "{% if tools %}<|start|>system\n<tools>{% for t in tools %} {{ t['function']['name'] }}{% endfor %}</tools>"
+    "<|end|>\n"
+    "{% endif %}"
+    "{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}\n</tool_call>"
+    "{% endfor %}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}"
 )
 

@@ -68,6 +68,9 @@ class SamplingParams:
     # OpenAI's: {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}
     # (a dict or its JSON text), kept as compact JSON text (hashable); {"type": "text"} or None: no constraint
     response_format: str | dict | None = None
+    # a grammar the output must match, in llguidance's Lark dialect (``%json {schema}`` rules allowed; tools.py
+    # writes one for a forced tool call); not with a response_format
+    grammar: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -101,6 +104,11 @@ class SamplingParams:
                and self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         _check(_is_real(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in 0..1, got {self.min_p!r}")
         object.__setattr__(self, "response_format", _response_format(self.response_format))
+        if self.grammar is not None:
+            _check(isinstance(self.grammar, str) and self.grammar.strip(), "grammar must be a non-empty string")
+            _check(self.response_format is None, "grammar: not with a response_format (one constraint per request)")
+            error = grammar_error(self.grammar)
+            _check(not error, f"grammar: {error}")
 
     @property
     def greedy(self) -> bool:
@@ -110,6 +118,11 @@ class SamplingParams:
     def response_schema(self) -> dict | None:
         """The JSON schema the output must match (json_object: any object), None without a response format."""
         return None if self.response_format is None else json_schema_of(json.loads(self.response_format))
+
+    @property
+    def constraint(self) -> dict | str | None:
+        """What the output must match: the response format's JSON schema, the grammar's text, or None."""
+        return self.response_schema if self.response_format is not None else self.grammar
 
 
 _FORMAT_RULE = ('response_format must be {"type": "json_object"} or {"type": "json_schema", "json_schema": '
@@ -147,18 +160,32 @@ def _response_format(value) -> str | None:
         text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"response_format is not JSON ({e})") from None
-    error = _schema_error(json.dumps(json_schema_of(value), separators=(",", ":")))
+    error = schema_error(json.dumps(json_schema_of(value), separators=(",", ":")))
     _check(not error, f"response_format: invalid JSON schema: {error}")
     return text
 
 
 @functools.lru_cache(maxsize=64)
-def _schema_error(schema: str) -> str:
+def schema_error(schema: str) -> str:
     """Why llguidance cannot compile the JSON schema (text), in one line; '' if it can."""
     from llguidance import LLMatcher
 
+    return _compile_error(LLMatcher.grammar_from_json_schema, schema)
+
+
+@functools.lru_cache(maxsize=64)
+def grammar_error(lark: str) -> str:
+    """Why llguidance cannot compile the Lark grammar, in one line; '' if it can."""
+    from llguidance import LLMatcher
+
+    return _compile_error(LLMatcher.grammar_from_lark, lark)
+
+
+def _compile_error(make, text: str) -> str:
+    from llguidance import LLMatcher
+
     try:
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(LLMatcher.grammar_from_json_schema(schema))
+        is_error, messages = LLMatcher.validate_grammar_with_warnings(make(text))
     except ValueError as e:
         is_error, messages = True, [str(e)]
     return (messages[0].strip().splitlines() or ["unknown error"])[0] if is_error else ""

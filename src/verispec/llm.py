@@ -26,6 +26,7 @@ from .frontend import fit_context
 from .sampling import Grammars, TokenLogprob
 from .stopping import StopChecker
 from .tokenizer import Codec
+from .tools import Tools
 
 BLOCK_SIZE = 16  # KV cache block of a single request's engine
 
@@ -39,6 +40,9 @@ class GenerationOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
     # with SamplingParams(logprobs=N): one per token of token_ids, the target's own (sampling/logprobs.py)
     logprobs: list[TokenLogprob] | None = None
+    # with tools=Tools(...): the calls the text holds (OpenAI's shape) and the text besides them (tools.py)
+    tool_calls: list[dict] | None = None
+    content: str | None = None
 
 
 class LLM:
@@ -153,19 +157,24 @@ class LLM:
         return tuple(dict.fromkeys(ids))
 
     def generate(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None, method: str = AR,
-                 num_draft_tokens: int = 4, chat: bool = False, system: str | None = None,
+                 num_draft_tokens: int = 4, chat: bool = False, system: str | None = None, tools: Tools | None = None,
                  **spec_options) -> GenerationOutput:
         """Generate from ``prompt`` (text, token ids, or a conversation: [{"role": ..., "content": ...}, ...], put
         through the chat template) with ``method`` ("ar", "draft", "ngram", "auto").
 
-        ``spec_options``: the other SpecConfig fields (adaptive, min_draft_tokens, ngram_min, ngram_max).
+        ``tools`` (a conversation's: tools.Tools) go into the chat template; a forced choice constrains the output
+        to calls by its grammar (unless ``params`` has one), and the output's ``tool_calls`` and ``content`` are
+        the text parsed. ``spec_options``: the other SpecConfig fields (adaptive, min_draft_tokens, ngram_min,
+        ngram_max).
         """
-        for _ in self._run(prompt, params, _spec(method, num_draft_tokens, spec_options), chat, system):
+        for _ in self._run(prompt, params, _spec(method, num_draft_tokens, spec_options), chat, system, tools):
             pass
+        if tools is not None:
+            self._last.content, self._last.tool_calls = tools.parse(self._last.text)
         return self._last
 
     def stream(self, prompt: str | list[int] | list[dict], params: SamplingParams | None = None, method: str = AR,
-               num_draft_tokens: int = 4, chat: bool = False, system: str | None = None,
+               num_draft_tokens: int = 4, chat: bool = False, system: str | None = None, tools: Tools | None = None,
                **spec_options) -> Iterator[str]:
         """Yield text pieces as tokens are committed (each accepted run at once, for speculative methods).
 
@@ -173,7 +182,7 @@ class LLM:
         """
         if not self.codec.has_tokenizer:
             raise VerispecError("streaming text needs a tokenizer; this model takes token ids only")
-        for stopper in self._run(prompt, params, _spec(method, num_draft_tokens, spec_options), chat, system):
+        for stopper in self._run(prompt, params, _spec(method, num_draft_tokens, spec_options), chat, system, tools):
             piece = stopper.stream_piece()
             if piece:
                 yield piece
@@ -213,12 +222,18 @@ class LLM:
         self._engine = make(max(blocks, 2 * old))
         return self._engine
 
-    def _run(self, prompt, params: SamplingParams | None, spec: SpecConfig, chat: bool, system: str | None):
+    def _run(self, prompt, params: SamplingParams | None, spec: SpecConfig, chat: bool, system: str | None,
+             tools: Tools | None = None):
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ConfigError("params must be a verispec.SamplingParams")
+        if tools is not None and not isinstance(tools, Tools):
+            raise ConfigError("tools must be a verispec.tools.Tools")
         drafters.check_method(spec.method)
-        prompt_ids = self.codec.encode(prompt, chat=chat, system=system)
+        prompt_ids = self.codec.encode(prompt, chat=chat, system=system,
+                                       tools=tools.template_tools() if tools is not None else None)
+        if tools is not None and tools.forced and params.constraint is None:
+            params = dataclasses.replace(params, grammar=tools.grammar(self.grammars.literal))
         fit_context(len(prompt_ids), params.max_new_tokens, self.target.config.max_position_embeddings)
         # One request in the engine that serves batches (engine/engine.py): the prompt read in one forward, K drafts
         # a step (the drafter may stop early), as in a batch; the drafter is made for the K the engine sets.

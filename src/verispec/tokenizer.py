@@ -32,14 +32,18 @@ class Codec:
     def has_tokenizer(self) -> bool:
         return self.tok is not None
 
-    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False, system: str | None = None) -> list[int]:
+    def encode(self, prompt: str | list[int] | list[dict], chat: bool = False, system: str | None = None,
+               tools: list[dict] | None = None) -> list[int]:
         """Text (through the chat template when ``chat``), token ids, or a conversation: a list of
-        {"role": "system" | "user" | "assistant", "content": str} messages ending with the user's, always through
-        the chat template."""
+        {"role": "system" | "user" | "assistant" | "tool", "content": str} messages (an assistant's may hold
+        ``tool_calls``, as chat templates take them: tools.template_message) ending with a user's or a tool's, always
+        through the chat template, which renders ``tools`` (OpenAI's function definitions) when given."""
         if is_conversation(prompt):
             if system is not None:
                 raise VerispecError("system: give a conversation's system prompt as its first message")
-            return self._template(check_messages(prompt))
+            return self._template(check_messages(prompt), tools)
+        if tools:
+            raise VerispecError("tools need a conversation (a list of messages)")
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise VerispecError("empty prompt")
@@ -62,12 +66,12 @@ class Codec:
             raise VerispecError(f"token id {bad[0]} outside the vocabulary [0, {self.vocab_size})")
         return ids
 
-    def _template(self, messages: list[dict]) -> list[int]:
+    def _template(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if self.tok is None:
             raise VerispecError("this model has no tokenizer files: pass the prompt as token ids")
         if not getattr(self.tok, "chat_template", None):
             raise VerispecError("this tokenizer has no chat template (--chat and conversations need one)")
-        ids = self.tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+        ids = self.tok.apply_chat_template(messages, tools=tools or None, tokenize=True, add_generation_prompt=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
     def decode(self, ids: list[int]) -> str:
@@ -76,7 +80,8 @@ class Codec:
         return self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+OPTIONAL_KEYS = {"assistant": {"tool_calls"}, "tool": {"tool_call_id", "name"}}  # besides role and content
 
 
 def is_conversation(prompt) -> bool:
@@ -86,10 +91,14 @@ def is_conversation(prompt) -> bool:
 def check_messages(messages) -> list[dict]:
     """A conversation as the chat template takes it, or a one-line error."""
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or set(m) != {"role", "content"}:
+        if not isinstance(m, dict) or not {"role", "content"} <= set(m):
             raise VerispecError(f"message {i}: expected {{'role': ..., 'content': ...}}, got {m!r:.80}")
         if m["role"] not in ROLES or not isinstance(m["content"], str):
             raise VerispecError(f"message {i}: role must be one of {', '.join(ROLES)} and content a string")
-    if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
-        raise VerispecError("a conversation must end with a non-empty user message")
+        extra = set(m) - {"role", "content"} - OPTIONAL_KEYS.get(m["role"], set())
+        if extra:
+            raise VerispecError(f"message {i}: unexpected key {sorted(extra)[0]!r} in a {m['role']} message")
+    last = messages[-1]
+    if last["role"] not in ("user", "tool") or (last["role"] == "user" and not last["content"].strip()):
+        raise VerispecError("a conversation must end with a non-empty user message or a tool result")
     return [dict(m) for m in messages]

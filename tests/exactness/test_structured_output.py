@@ -46,6 +46,8 @@ MAX_NEW = 96
 ENUM = ["aab", "ab", "abba", "b", "ba", "bab"]  # a JSON string out of six: branches at every draft position
 ENUM_FORMAT = {"type": "json_schema", "json_schema": {"name": "pick", "schema": {"enum": ENUM}}}
 ENUM_PROMPT = 'pick one: "ab" "bab" "abba" "b" "aab" -> '
+ENUM_LARK = "start: \"\\\"\" (" + " | ".join(f'"{v}"' for v in ENUM) + ") \"\\\"\"\n"  # the same six, as a grammar
+CONSTRAINTS = {"schema": dict(response_format=ENUM_FORMAT), "lark": dict(grammar=ENUM_LARK)}
 N_LAW = 500  # generations per positive case (~10 ms each)
 N_NEG = 150
 
@@ -144,11 +146,11 @@ def exact_law(llm, tiny_dirs) -> np.ndarray:
     return law
 
 
-def enum_counts(llm, method: str, n: int, seed: int) -> tuple[np.ndarray, int]:
-    """n sampled outputs under ENUM_FORMAT -> (counts per ENUM value, outputs outside it)."""
+def enum_counts(llm, method: str, n: int, seed: int, constraint: str = "schema") -> tuple[np.ndarray, int]:
+    """n sampled outputs under ENUM_FORMAT (or ENUM_LARK) -> (counts per ENUM value, outputs outside it)."""
     counts, bad = np.zeros(len(ENUM), dtype=np.int64), 0
     for i in range(n):
-        params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed + i, response_format=ENUM_FORMAT)
+        params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=seed + i, **CONSTRAINTS[constraint])
         out = llm.generate(ENUM_PROMPT, params, method=method, num_draft_tokens=4)
         try:
             counts[ENUM.index(json.loads(out.text))] += 1
@@ -157,10 +159,12 @@ def enum_counts(llm, method: str, n: int, seed: int) -> tuple[np.ndarray, int]:
     return counts, bad
 
 
-def test_the_hand_written_enum_mask_is_the_grammars(llm):
-    """The exact law's masks are written by hand: llguidance's agree with them on every prefix."""
-    params = SamplingParams(response_format=ENUM_FORMAT)
-    mask = llm.grammars.mask(params.response_schema, 0)
+@pytest.mark.parametrize("constraint", sorted(CONSTRAINTS))
+def test_the_hand_written_enum_mask_is_the_grammars(llm, constraint):
+    """The exact law's masks are written by hand: llguidance's agree with them on every prefix, from the JSON schema
+    and from the Lark grammar alike."""
+    params = SamplingParams(**CONSTRAINTS[constraint])
+    mask = llm.grammars.mask(params.constraint, 0)
     for v in ENUM:
         text = f'"{v}"'
         for t in range(len(text) + 1):
@@ -169,9 +173,9 @@ def test_the_hand_written_enum_mask_is_the_grammars(llm):
             assert got == enum_next(text[:t]), text[:t]
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram"])
-def test_speculative_sampling_under_a_grammar_is_ar_sampling(llm, exact_law, method):
-    counts, bad = enum_counts(llm, method, N_LAW, seed=10_000)
+@pytest.mark.parametrize("method,constraint", [("draft", "schema"), ("ngram", "schema"), ("draft", "lark")])
+def test_speculative_sampling_under_a_grammar_is_ar_sampling(llm, exact_law, method, constraint):
+    counts, bad = enum_counts(llm, method, N_LAW, seed=10_000, constraint=constraint)
     assert bad == 0
     p = chi2_pvalue(counts, exact_law)
     assert p > ALPHA, f"{method}: chi-square p = {p:.3g}, counts {counts.tolist()}, law {exact_law.round(3).tolist()}"

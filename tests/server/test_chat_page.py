@@ -146,3 +146,25 @@ def test_wrong_key_shows_the_401_message(browser, base_url):
     shown = wait_for(lambda: (r := reply(browser)) and r["done"] and r, "the error")
     assert shown["error"] and shown["text"] == ""
     assert shown["note"].startswith("401: this server was started with --api-key"), shown["note"]
+
+
+def test_json_mode_and_log_probabilities(browser, base_url, client, fixed_k):
+    """JSON mode asks for a json_object reply, and with log-probabilities on the page shows each token of the reply
+    with the API's log-probability; clicking one shows it and its alternatives."""
+    open_page(browser, base_url, API_KEY, max_tokens=48)
+    for box in ("json-mode", "logprobs"):
+        browser.find_element("id", box).click()
+    send(browser, "A record, please.")
+    shown = wait_for(lambda: (r := reply(browser)) and r["done"] and r, "the reply to finish")
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A record, please."}],
+                                         temperature=0, max_tokens=48, response_format={"type": "json_object"},
+                                         logprobs=True, top_logprobs=5)
+    assert not shown["error"] and shown["text"] == out.choices[0].message.content
+    assert shown["text"].lstrip().startswith("{")
+    chips = browser.execute_script("return [...document.querySelectorAll('.msg.assistant .tokens .lp')]"
+                                   ".map(c => [c.dataset.token, Number(c.dataset.logprob)]);")
+    want = out.choices[0].logprobs.content
+    assert chips == [[t.token, t.logprob] for t in want]
+    browser.find_element("css selector", ".msg.assistant .tokens .lp").click()
+    info = browser.find_element("id", "token-info").text
+    assert f"logprob {want[0].logprob:.4f}" in info and "alternatives:" in info

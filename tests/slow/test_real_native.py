@@ -112,3 +112,27 @@ def test_kernel_on_real_tensors_of_the_default_models():
             assert np.abs(y - x_hat @ W.T).max() <= 1e-5 * scale.max(), (name, t.name, kind)
             assert (np.abs(y - x.double().numpy() @ W.T) <= bound + 1e-5 * scale).all(), (name, t.name, kind)
     assert seen == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+
+
+def test_tool_calls_of_the_real_model_auto_and_forced_are_exact(llm):
+    """Qwen2.5's own format through its chat template: asked about the weather with a weather tool, the model calls
+    it by itself (auto); forced (named) the grammar's ``<tool_call>`` is the tokenizer's one special token, not
+    bytes. Speculative output is bitwise AR's either way."""
+    import json
+
+    from verispec import SamplingParams
+    from verispec.tools import Tools
+
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string"}}, "required": ["city"]}}}
+    messages = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    for choice in ("auto", {"type": "function", "function": {"name": "get_weather"}}):
+        tools = Tools([weather], choice)
+        params = SamplingParams(max_new_tokens=40)
+        ar = llm.generate(messages, params, tools=tools)
+        spec = llm.generate(messages, params, method="draft", tools=tools)
+        assert spec.token_ids == ar.token_ids, choice
+        assert ar.token_ids[0] == llm.target.tokenizer.convert_tokens_to_ids("<tool_call>"), ar.text
+        assert [c["function"]["name"] for c in ar.tool_calls] == ["get_weather"], ar.text
+        assert json.loads(ar.tool_calls[0]["function"]["arguments"])["city"] == "Paris"

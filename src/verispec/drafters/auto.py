@@ -49,6 +49,11 @@ of each drafter, a round's verify cost per size, each drafter's catch-up per tok
   loses (at most NO_SPEC_RETRY_MAX), back to NO_SPEC_RETRY when a drafter wins. A context that turns
   predictable gets speculation back. ``allow_no_spec=False`` always drafts.
 
+- A seeded sample is reproducible: its rounds follow no measured time (which drafter and how long a draft decide
+  which random numbers the seed feeds). It drafts every round with one delegate, the first expensive one (the draft
+  model where there is one, else the head), else the cheap one, at the request's fixed K (the engine fixes K for it),
+  and no plain step is chosen instead.
+
 Only the chosen drafter proposes (expensive) or is kept (cheap), and only it learns from the round.
 Exactness is the verifier's business, whatever drafter is picked.
 """
@@ -232,12 +237,26 @@ class AutoDrafter(Drafter):
         self._round = (None, None, 0, None)
         return Draft(torch.empty(1, 0, dtype=torch.long, device=request.device))
 
+    def _seeded(self, request: DraftRequest) -> Draft:
+        """A seeded sample's round: its one delegate drafts the request's K (module docstring)."""
+        name, d = next(((n, d) for n, d in self.drafters.items() if not d.cheap), next(iter(self.drafters.items())))
+        draft = d.propose(request)
+        if not draft.tokens.shape[1]:  # a lookup that found nothing
+            return self._plain_step(request)
+        if not d.cheap:
+            self.catch_up = d.catch_up
+        self._round = (d, self.controller(name, d.last_match if d.cheap else None), draft.tokens.shape[1],
+                       None if d.cheap else name)
+        return replace(draft, source=name)
+
     def propose(self, request: DraftRequest) -> Draft:
         self.catch_up = (0, 0.0)
         if request.costs is not None:
             self.costs = request.costs
         if self._memories is not None:
             self._remember(request)
+        if not request.params.greedy and request.params.seed is not None:
+            return self._seeded(request)
         step = self.costs.step_s()  # ~ one target step
         # (expected tokens/s, name, drafter, controller, K, draft or None, seconds to spend catching up first
         # (expensive; 0 for a cheap draft, made already))

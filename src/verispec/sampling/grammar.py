@@ -1,5 +1,5 @@
-"""Structured output: a JSON schema (SamplingParams.response_format) enforced by a grammar mask, exact under
-speculative decoding.
+"""Structured output: a JSON schema (SamplingParams.response_format) or a Lark grammar (SamplingParams.grammar: a
+forced tool call's, tools.py) enforced by a grammar mask, exact under speculative decoding.
 
 ``GrammarMask`` is a logits processor of one row given its prefix (processors.py): every token the grammar forbids
 after the row's output so far (the prefix from ``prompt_len`` on: committed output plus the drafts before the row)
@@ -17,6 +17,7 @@ exception.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,23 +54,38 @@ class Grammars:
                                   f"({(str(e).strip().splitlines() or [type(e).__name__])[0]})") from None
         return self._ll
 
-    def mask(self, schema: dict, prompt_len: int) -> GrammarMask:
-        """A request's mask: its output (the tokens from ``prompt_len`` on) must match the JSON ``schema``."""
+    def mask(self, constraint: dict | str, prompt_len: int) -> GrammarMask:
+        """A request's mask: its output (the tokens from ``prompt_len`` on) must match ``constraint``, a JSON schema
+        (dict) or a grammar in llguidance's Lark dialect (text)."""
         from llguidance import LLMatcher
 
-        return GrammarMask(self.ll_tokenizer(), LLMatcher.grammar_from_json_schema(schema), self.vocab_size,
-                           self.eos_token_ids, prompt_len)
+        if isinstance(constraint, dict):
+            grammar, name = LLMatcher.grammar_from_json_schema(constraint), "response_format"
+        else:
+            grammar, name = LLMatcher.grammar_from_lark(constraint), "grammar"
+        return GrammarMask(self.ll_tokenizer(), grammar, self.vocab_size, self.eos_token_ids, prompt_len, name)
+
+    def literal(self, text: str) -> str:
+        """A Lark term for ``text``: the token ``<[id]>`` when the tokenizer writes it as one token that llguidance
+        sees as special (an added token, such as Qwen's ``<tool_call>``: the grammar's string would not match it),
+        else the quoted string."""
+        if self.hf is not None:
+            ids = self.hf.encode(text, add_special_tokens=False)
+            if len(ids) == 1 and self.ll_tokenizer().is_special_token(ids[0]):
+                return f"<[{ids[0]}]>"
+        return json.dumps(text)
 
 
 class GrammarMask(LogitsProcessor):
     """Logits [V] of one row -> the same with every token the grammar forbids after the row's output at -inf."""
 
-    def __init__(self, ll_tokenizer, grammar: str, vocab_size: int, eos_token_ids: Sequence[int], prompt_len: int):
+    def __init__(self, ll_tokenizer, grammar: str, vocab_size: int, eos_token_ids: Sequence[int], prompt_len: int,
+                 name: str = "response_format"):
         from llguidance import LLMatcher
 
         self.matcher = LLMatcher(ll_tokenizer, grammar, log_level=0)
         if self.matcher.is_error():
-            raise ConfigError(f"response_format: {_first_line(self.matcher.get_error())}")
+            raise ConfigError(f"{name}: {_first_line(self.matcher.get_error())}")
         self.prompt_len, self.vocab_size = prompt_len, vocab_size
         self.eos = frozenset(eos_token_ids)
         self.held: list[int] = []  # the output tokens the matcher has consumed, in order

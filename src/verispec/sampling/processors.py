@@ -162,15 +162,16 @@ class ProcessorChain:
     def from_params(cls, params: SamplingParams, mask: torch.Tensor | None = None,
                     extra: Sequence[LogitsProcessor] = (), prompt_len: int = 0, grammars=None) -> ProcessorChain:
         """The padding mask (mask [V], True = padding; None: none), then ``extra``, then the params' processors
-        (the response format's grammar mask, logit bias, penalties, min-p; the mask and the penalties read the
+        (the response format's or grammar's mask, logit bias, penalties, min-p; the mask and the penalties read the
         output from ``prompt_len`` on), then their transforms (temperature, top-k, top-p: ``logits_to_probs``).
         ``grammars``: the model's ``grammar.Grammars``, needed by a request with a response format."""
         procs = [PaddingMask(mask)] if mask is not None else []
         procs += list(extra)
-        if params.response_format is not None:
+        if params.constraint is not None:
             if grammars is None:
-                raise ConfigError("response_format needs the model's tokenizer: none was given to this engine")
-            procs.append(grammars.mask(params.response_schema, prompt_len))
+                raise ConfigError(f"{'grammar' if params.grammar else 'response_format'} needs the model's tokenizer:"
+                                  " none was given to this engine")
+            procs.append(grammars.mask(params.constraint, prompt_len))
         if params.logit_bias:
             procs.append(LogitBias(dict(params.logit_bias)))
         if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:

@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from .. import drafters
+from ..tools import Tools
 from ..config import SamplingParams, SpecConfig
 from ..engine import Engine
 from ..errors import ConfigError, VerispecError
@@ -112,10 +113,12 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
         body = await read_body(request, ChatCompletionRequest)
-        messages = [m.as_template_input() for m in body.messages]
-        return await generate(request, body, [messages], body.max_completion_tokens or body.max_tokens, True)
+        messages = [m.template_input() for m in body.messages]
+        return await generate(request, body, [messages], body.max_completion_tokens or body.max_tokens, True,
+                              body.tool_spec())
 
-    async def generate(request: Request, body: GenerateRequest, prompts: list, max_tokens: int | None, chat: bool):
+    async def generate(request: Request, body: GenerateRequest, prompts: list, max_tokens: int | None, chat: bool,
+                       tools: Tools | None = None):
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"the model {body.model!r} does not exist (this server has {model_name!r})",
                            param="model", code="model_not_found")
@@ -126,16 +129,20 @@ def create_app(llm: LLM, model_name: str, *, method: str = "auto", num_draft_tok
             raise APIError(400, f"{len(prompts)} prompt(s) x n={n} choices is more than the {runner.max_in_flight} "
                                 "this server queues", param="n" if n > 1 else "prompt")
         try:
-            samples = [SamplingParams(max_new_tokens=max_tokens or 1, **body.sampling(i)) for i in range(n)]
+            grammar = tools.grammar(llm.grammars.literal) if tools is not None and tools.forced else None
+            samples = [SamplingParams(max_new_tokens=max_tokens or 1, grammar=grammar, **body.sampling(i))
+                       for i in range(n)]
             choices = await runner.submit([(prompt, params) for prompt in prompts for params in samples], max_tokens,
-                                          body.num_speculative_tokens, n)
+                                          body.num_speculative_tokens, n,
+                                          tools.template_tools() if tools is not None else None)
         except QueueFull as e:
             raise APIError(429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
         except VerispecError as e:  # a message that starts with a field names the parameter (logit_bias past the
             field = re.match(r"\w*", str(e)).group()  # vocabulary, a response_format's schema that cannot compile)
             raise APIError(400, str(e), param=field if field in type(body).model_fields else None) from None
-        reply = Reply(choices, model_name, chat, body.include_usage)
+        reply = Reply(choices, model_name, chat, body.include_usage,
+                      tools if tools is not None and tools.choice != "none" else None)
         if body.stream:
             return SSEResponse(choices, reply.events(), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
@@ -243,8 +250,11 @@ class SSEResponse(StreamingResponse):
 class Reply:
     """The OpenAI response objects of one request's choices: whole, or as chunks."""
 
-    def __init__(self, choices: Choices, model_name: str, chat: bool, include_usage: bool):
-        self.choices, self.chat, self.include_usage = choices, chat, include_usage
+    def __init__(self, choices: Choices, model_name: str, chat: bool, include_usage: bool, tools: Tools | None = None):
+        self.choices, self.chat, self.include_usage, self.tools = choices, chat, include_usage, tools
+        # per choice, with tools: the parser of its streamed text, and the calls it has sent
+        self.parsers = [tools.parser() for _ in choices.gens] if tools is not None else None
+        self.num_calls = [0] * len(choices.gens)
         self.codec = choices.gens[0].runner.llm.codec
         self.with_logprobs = choices.gens[0].params.logprobs is not None
         self.offsets = [0] * len(choices.gens)  # per choice: characters before a completion chunk's tokens
@@ -257,10 +267,18 @@ class Reply:
 
     def whole(self) -> dict:
         def choice(gen) -> dict:
-            text = gen.text
-            return {"index": gen.index,
-                    **({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}),
-                    "logprobs": self.logprobs(gen.index, gen.logprobs), "finish_reason": gen.finish_reason}
+            finish, text = gen.finish_reason, gen.text
+            if not self.chat:
+                body = {"text": text}
+            elif self.tools is None:
+                body = {"message": {"role": "assistant", "content": text}}
+            else:
+                content, calls = self.tools.parse(text)
+                body = {"message": {"role": "assistant", "content": content, **({"tool_calls": calls} if calls
+                                                                                 else {})}}
+                finish = self.finish_reason(finish, bool(calls))
+            return {"index": gen.index, **body, "logprobs": self.logprobs(gen.index, gen.logprobs),
+                    "finish_reason": finish}
 
         return {**self.head, "choices": [choice(gen) for gen in self.choices.gens], **self.summary()}
 
@@ -285,6 +303,28 @@ class Reply:
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [{text([t]): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
+    @staticmethod
+    def finish_reason(finish: str | None, called: bool) -> str | None:
+        """OpenAI's reason with tools: "tool_calls" when the answer ended by itself after making calls."""
+        return "tool_calls" if finish == "stop" and called else finish
+
+    def tool_delta(self, index: int, event: StepEvent) -> dict:
+        """A chat chunk's delta with tools: the step's content (whitespace between calls held back) and each call
+        it completed, whole, with its index in the choice's calls (OpenAI's ``tool_calls`` delta)."""
+        parser = self.parsers[index]
+        content, calls = parser.feed(event.text)
+        if event.finish_reason is not None:
+            rest, more = parser.close()
+            content, calls = content + rest, calls + more
+        if parser.num_calls and not content.strip():
+            content = ""
+        delta = {"content": content} if content else {}
+        if calls:
+            first = self.num_calls[index]
+            self.num_calls[index] += len(calls)
+            delta["tool_calls"] = [{"index": first + i, **call} for i, call in enumerate(calls)]
+        return delta
+
     async def events(self):
         """``data: {chunk}`` per engine step and choice that produced text or finished, the usage chunk if asked,
         [DONE]."""
@@ -294,8 +334,12 @@ class Reply:
             async for index, event in self.choices.events():
                 text, finish = event.text, event.finish_reason
                 if self.chat:
-                    delta = ({"content": text} if text else {}) if index in started else {"role": "assistant",
-                                                                                            "content": text}
+                    delta = ({"content": text} if text else {}) if self.tools is None else self.tool_delta(index,
+                                                                                                          event)
+                    if index not in started:
+                        delta = {"role": "assistant", "content": delta.get("content", ""), **delta}
+                    if self.tools is not None:
+                        finish = self.finish_reason(finish, self.num_calls[index] > 0)
                     choice = {"index": index, "delta": delta}
                 else:
                     choice = {"index": index, "text": text}

@@ -21,6 +21,8 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from ..tools import Tools, template_message
+
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_STOP = 4  # stop strings a request may give (OpenAI's limit)
 MAX_STOP_CHARS = 256  # characters in one stop string
@@ -28,8 +30,7 @@ MAX_N = 16  # samples a request may ask for of each prompt (OpenAI allows 128)
 MAX_PROMPTS = 16  # prompts in one /v1/completions request
 # field -> its no-op values (null is always one)
 NEUTRAL: dict[str, tuple] = {
-    "best_of": (1,), "echo": (False,), "suffix": (), "tools": ([],), "tool_choice": ("none",),
-    "functions": ([],), "function_call": ("none",), "parallel_tool_calls": (True, False),
+    "best_of": (1,), "echo": (False,), "suffix": (), "functions": ([],), "function_call": ("none",),
 }
 
 
@@ -63,7 +64,8 @@ def bad_request(e: ValidationError) -> APIError:
         return APIError(400, f"the body is not valid JSON: {err['ctx'].get('error', err['msg'])}")
     loc = ".".join(str(p) for p in err["loc"])
     msg = err["msg"].removeprefix("Value error, ")
-    param = str(err["loc"][0]) if err["loc"] else msg.split(":")[0] if ":" in msg else None  # a model check: "field: ..."
+    # a model check's message starts "field: ..." or "field.0.part: ..."
+    param = str(err["loc"][0]) if err["loc"] else msg.split(":")[0].split(".")[0] if ":" in msg else None
     return APIError(400, f"{loc}: {msg}" if loc else msg, param=param)
 
 
@@ -81,15 +83,71 @@ class TextPart(Strict):
     text: str
 
 
-class Message(Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None  # accepted, ignored
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # JSON text of an object
 
-    def as_template_input(self) -> dict:
-        """{"role", "content"} as the chat template takes it (a developer message is a system message)."""
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+class ToolCall(Strict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Message(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None  # None: an assistant message of tool calls only
+    name: str | None = None  # accepted, ignored
+    tool_calls: list[ToolCall] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool result's: the call it answers
+    refusal: str | None = None  # an assistant's, as the client echoes it back: accepted, ignored
+
+    @model_validator(mode="after")
+    def _roles(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content: only an assistant message with tool_calls may omit it")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls: only in an assistant message")
+        if (self.tool_call_id is None) == (self.role == "tool"):
+            raise ValueError("tool_call_id: a tool message needs one, and only a tool message has one")
+        self.template_input()  # tool_calls' arguments must be JSON objects
+        return self
+
+    def template_input(self) -> dict:
+        """The message as the chat template takes it: {"role", "content"} (a developer message is a system one), an
+        assistant's ``tool_calls`` with their arguments as objects, a tool result's ``tool_call_id``."""
+        text = (self.content if isinstance(self.content, str) else
+                "".join(p.text for p in self.content or ()))
+        message = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return template_message(message)
+
+
+class FunctionDef(Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None  # accepted: the arguments of a forced call always match the schema
+
+
+class ToolDef(Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+    def definition(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class NamedFunction(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class GenerateRequest(Strict):
@@ -207,21 +265,38 @@ class ChatCompletionRequest(GenerateRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
     # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}:
     # checked (and the schema compiled) by SamplingParams, whose one-line error answers 400 with param
     # "response_format"
     response_format: dict[str, Any] | None = None
-    parallel_tool_calls: Any = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs set to true")
         return self
+
+    @model_validator(mode="after")
+    def _tools(self):
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice: only allowed when tools are given")
+        tools = self.tool_spec()  # checks names, schemas and the named function
+        if tools is not None and tools.forced and (self.response_format or {}).get("type", "text") != "text":
+            raise ValueError("tool_choice: a forced tool call cannot be combined with response_format")
+        return self
+
+    def tool_spec(self) -> Tools | None:
+        """The request's tools (tools.py), or None without any."""
+        if not self.tools:
+            return None
+        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+        return Tools([t.definition() for t in self.tools], choice or "auto",
+                     True if self.parallel_tool_calls is None else self.parallel_tool_calls)
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

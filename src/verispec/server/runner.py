@@ -80,6 +80,7 @@ class Generation:
     admitted: asyncio.Future  # shared by the request's choices: they are admitted together
     num_speculative_tokens: int | None = None  # the request's own K (fixed), or None: the cost model's
     index: int = 0  # the choice's index in the request
+    tools: list[dict] | None = None  # function definitions the chat template renders
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # the request's: (index, StepEvent), or an Exception
     arrival: float = field(default_factory=time.perf_counter)
     req: Request | None = None
@@ -175,9 +176,10 @@ class Runner:
         return self.llm.make_drafter(self.spec.with_k(num_draft_tokens or self.spec.num_draft_tokens))
 
     async def submit(self, choices: list[tuple[str | list[int] | list[dict], SamplingParams]], max_tokens: int | None,
-                     num_speculative_tokens: int | None = None, samples: int = 1) -> Choices:
-        """Queue a request's choices, (prompt, params) each in index order, ``samples`` per prompt; all are admitted
-        or none. Raises QueueFull (every choice takes a seat), or VerispecError when one can never run (a bad prompt,
+                     num_speculative_tokens: int | None = None, samples: int = 1,
+                     tools: list[dict] | None = None) -> Choices:
+        """Queue a request's choices, (prompt, params) each in index order, ``samples`` per prompt (``tools``: the
+        function definitions a conversation's template renders); all are admitted or none. Raises QueueFull (every choice takes a seat), or VerispecError when one can never run (a bad prompt,
         too long)."""
         if not self.alive:
             raise RuntimeError("the engine thread has stopped")
@@ -186,7 +188,7 @@ class Runner:
                             f"{self.max_in_flight} this server queues")
         loop = asyncio.get_running_loop()
         admitted, events = loop.create_future(), asyncio.Queue()
-        gens = [Generation(prompt, params, max_tokens, self, loop, admitted, num_speculative_tokens, i, events)
+        gens = [Generation(prompt, params, max_tokens, self, loop, admitted, num_speculative_tokens, i, tools, events)
                 for i, (prompt, params) in enumerate(choices)]
         request = Choices(gens, samples)
         self.in_flight += len(gens)
@@ -250,7 +252,7 @@ class Runner:
         gens[0].loop.call_soon_threadsafe(_settle, gens[0].admitted, None)
 
     def _admit(self, gen: Generation) -> None:
-        ids = self.llm.codec.encode(gen.prompt)
+        ids = self.llm.codec.encode(gen.prompt, tools=gen.tools)
         P = len(ids)
         # the last token's KV is never written: a cache of N slots holds N + 1 tokens
         max_new = fit_context(P, gen.max_tokens, self.context, self.cache_tokens + 1, name="max_tokens")

@@ -1,5 +1,7 @@
 // The chat page: streams /v1/chat/completions (SSE over fetch) and colours each piece of the reply by the
-// "verispec" field of the chunks (app.py): accepted draft tokens or the target's own tokens.
+// "verispec" field of the chunks (app.py): accepted draft tokens or the target's own tokens. "JSON" asks for
+// response_format json_object; "log-probabilities" asks for logprobs with 5 alternatives and shows each token of the
+// reply under it, shaded by its probability: hovering (or clicking) one shows its log-probability and alternatives.
 "use strict";
 
 const KEY_STORE = "verispec.apiKey";
@@ -7,7 +9,7 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   key: $("key"), temperature: $("temperature"), maxTokens: $("max-tokens"), system: $("system"),
   scroller: $("scroller"), messages: $("messages"), stats: $("stats"), prompt: $("prompt"), send: $("send"), stop: $("stop"),
-  clear: $("clear"),
+  clear: $("clear"), jsonMode: $("json-mode"), logprobs: $("logprobs"), tokenInfo: $("token-info"),
 };
 let history = [];  // {role, content} of the finished turns
 let controller = null;  // the AbortController of the request in flight
@@ -64,6 +66,24 @@ function appendPiece(body, text, draft) {
     body.append(span);
   }
   span.textContent += text;
+}
+
+// One token of the reply with its log-probability (OpenAI's chat shape): a chip whose shade is its probability.
+function addToken(strip, entry) {
+  const chip = document.createElement("span");
+  chip.className = "lp";
+  chip.textContent = entry.token.replace(/\n/g, "\\n").replace(/\t/g, "\\t") || "\u2205";  // whitespace shown
+  chip.dataset.token = entry.token;
+  chip.dataset.logprob = String(entry.logprob);
+  const p = Math.exp(entry.logprob);
+  chip.style.background = `rgba(36, 87, 214, ${(0.08 + 0.5 * p).toFixed(3)})`;
+  const alternatives = (entry.top_logprobs || []).map((t) => `${JSON.stringify(t.token)} ${t.logprob.toFixed(3)}`);
+  chip.title = `${JSON.stringify(entry.token)}: logprob ${entry.logprob.toFixed(4)} (p ${(100 * p).toFixed(1)}%)` +
+    (alternatives.length ? `\nalternatives: ${alternatives.join(", ")}` : "");
+  const show = () => { ui.tokenInfo.textContent = chip.title.replace("\n", "  ·  "); };
+  chip.addEventListener("mouseenter", show);
+  chip.addEventListener("click", show);
+  strip.append(chip);
 }
 
 function showStats(parts) {
@@ -124,9 +144,18 @@ async function send() {
   };
   if (ui.temperature.value !== "") body.temperature = Number(ui.temperature.value);
   if (ui.maxTokens.value !== "") body.max_tokens = Number(ui.maxTokens.value);  // empty: the room left
+  if (ui.jsonMode.checked) body.response_format = {type: "json_object"};
+  if (ui.logprobs.checked) Object.assign(body, {logprobs: true, top_logprobs: 5});
   ui.stats.replaceChildren();
+  ui.tokenInfo.textContent = "";
   addMessage("user", text);
   const reply = addMessage("assistant", "");
+  let strip = null;  // the reply's tokens, with log-probabilities asked for
+  if (ui.logprobs.checked) {
+    strip = document.createElement("div");
+    strip.className = "tokens";
+    reply.body.after(strip);
+  }
   reply.box.classList.add("streaming");
   controller = new AbortController();
   ui.send.disabled = true;
@@ -152,6 +181,9 @@ async function send() {
                    ["accepted / drafted", acceptance(spec.num_accepted_tokens, spec.num_draft_tokens)]]);
       } else if (choice && choice.delta.content) {
         following(() => appendPiece(reply.body, choice.delta.content, false));  // a server without the field
+      }
+      if (strip && choice && choice.logprobs) {
+        following(() => (choice.logprobs.content || []).forEach((entry) => addToken(strip, entry)));
       }
       if (choice && choice.finish_reason) finish = choice.finish_reason;
       if (chunk.usage) {
