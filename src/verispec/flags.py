@@ -62,8 +62,9 @@ def add_model_args(p: argparse.ArgumentParser, compare_draft_quant: bool = False
     p.add_argument("--draft-weights", default="dequantized", choices=["dequantized", "native"],
                    help="the same for the draft model (default: dequantized, then --draft-quant)")
     p.add_argument("--head", default=None, metavar="DIR",
-                   help="EAGLE-3 draft head for --method eagle (verispec train-head, or a public EAGLE-3 / SpecForge "
-                        "checkpoint for this target; default: the head that ships for the default target)")
+                   help="draft head for --method eagle (EAGLE-3) or medusa (verispec train-head, or a public EAGLE-3 / "
+                        "SpecForge / Medusa checkpoint for this target; default: the head that ships for the default "
+                        "target)")
     p.add_argument("--draft-vocab-table", default=None, metavar="FILE",
                    help="token-frequency table for --draft-vocab (python -m verispec.draft_vocab)")
 

@@ -121,15 +121,19 @@ class LLM:
         return self.head is not None or self._head_given or (self._head_source is not None
                                                                and Path(self._head_source).exists())
 
-    def eagle_head(self) -> DraftHead:
+    def draft_head(self, method: str | None = None, family: str | None = None) -> DraftHead:
         """The draft head (``head=`` or the one that ships for the default target; any family heads/io.py reads),
-        loaded and checked against the target on first use: the target's embedding table and, when the file has no
-        LM head, the target's rows for the head's draft vocabulary; int8 matrices on CPU."""
+        loaded and checked against the target on first use: the target's parts it reads and, when the file has no
+        LM head, the target's rows for the head's draft vocabulary; int8 matrices on CPU. ``method`` / ``family``:
+        the method asking and the family it drafts with (a head of another family is a one-line error)."""
         if self.head is None:
             if self._head_source is None:
-                raise VerispecError("method eagle needs a draft head for this target: pass LLM(head=DIR) or --head "
-                                    "(verispec train-head makes one)")
+                raise VerispecError(f"method {method or 'eagle'} needs a draft head for this target: pass "
+                                    "LLM(head=DIR) or --head (verispec train-head makes one)")
             self.head = load_head(self._head_source, self.target, self.device, self.dtype)
+        if family is not None and self.head.config.family != family:
+            raise VerispecError(f"method {method} needs a {family} head, but {self._head_source} is a "
+                                f"{self.head.config.family} head")
         return self.head
 
     def with_draft_quant(self, draft_quant: str | None) -> LLM:

@@ -132,6 +132,21 @@ def test_init_from_a_trained_head_continues_to_lower_its_heldout_loss(target, co
     a_cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     b_cfg = json.loads((tmp_path / "b" / "config.json").read_text())
     assert (b_cfg["family"], b_cfg["draft_vocab_size"]) == (a_cfg["family"], a_cfg["draft_vocab_size"])
+    # --keep-draft-vocab: the head's draft tokens as they were (here the 64 highest ids, which this data would not
+    # choose), not chosen again from this run's data
+    from verispec.heads import read_head, save_head
+    from verispec.models.config import ModelConfig
+
+    head, _ = read_head(tmp_path / "a", ModelConfig.from_hf(json.loads((Path(target) / "config.json").read_text())))
+    head.d2t = torch.arange(head.config.vocab_size - head.config.draft_vocab_size, head.config.vocab_size)
+    save_head(head, tmp_path / "odd")
+    for flags, kept in (["--keep-draft-vocab"], True), ([], False):
+        assert main(args(target, corpus, tmp_path / f"k{kept}", features, 1, "--init", str(tmp_path / "odd"),
+                         *flags)) == 0
+        assert torch.equal(checkpoint(tmp_path / f"k{kept}")["d2t"], head.d2t) == kept
+    capsys.readouterr()
+    assert main(args(target, corpus, tmp_path / "c", features, 1, "--keep-draft-vocab")) == 2
+    assert "only with --init HEAD_DIR" in capsys.readouterr().err
     capsys.readouterr()
     assert main(args(target, corpus, tmp_path / "c", features, 1, "--init", str(tmp_path / "nowhere"))) == 2
     err = capsys.readouterr().err.strip()

@@ -143,7 +143,7 @@ def test_fused_and_native_hidden_states_equal_the_per_op_path(llms):
     """The head reads the target's residual streams: the fused C++ layer (bf16, <= 16 rows) and the native
     kernels return the same hidden states as the per-op Python path over the same weights."""
     llm = llms["native", "bfloat16", "random"]
-    model, layers = llm.target.model, llm.eagle_head().config.layers
+    model, layers = llm.target.model, llm.draft_head().config.layers
     ids = torch.tensor([PROMPTS[1][:12]])
 
     def run(fused: bool):
@@ -176,7 +176,7 @@ def test_features_handed_to_the_drafter_are_the_committed_positions(llms, monkey
 
     monkeypatch.setattr(HeadDrafter, "propose", spy)
     llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="eagle", num_draft_tokens=3)
-    model, layers = llm.target.model, llm.eagle_head().config.layers
+    model, layers = llm.target.model, llm.draft_head().config.layers
     context, feats = seen[-1]
     n = len(context) - 1
     cache = KVCache.for_model(model.config, 1, n, model.dtype)
@@ -216,17 +216,17 @@ def table_heads(model_dirs, tables, tmp_path_factory):
     out = {}
     for name, path in paths.items():
         llm = LLM(target=str(model_dirs["target"]), dtype="float32", head=str(path), progress=False)
-        llm.eagle_head()
+        llm.draft_head()
         llm.target.model = FeatureTable(llm.target.model, tables["target"])
         out[name] = llm
     return out
 
 
-def draw(llm, K: int, params: SamplingParams, n: int):
+def draw(llm, K: int, params: SamplingParams, n: int, method: str = "eagle"):
     counts = np.zeros((V, V, V), dtype=np.int64)
     drafted = accepted = 0
     for seed in range(n):
-        out = llm.generate(PROMPT, dataclasses.replace(params, max_new_tokens=K + 2, seed=seed), method="eagle",
+        out = llm.generate(PROMPT, dataclasses.replace(params, max_new_tokens=K + 2, seed=seed), method=method,
                            num_draft_tokens=K)
         a, b, c = out.token_ids[:3]
         counts[a, b, c] += 1

@@ -9,7 +9,17 @@ from .auto import AutoDrafter
 from .base import Draft, Drafter, DraftRequest
 from .draft_model import DraftModelDrafter
 from .head import HeadDrafter
+from .medusa import MedusaDrafter
 from .ngram import NgramDrafter, NgramIndex
+
+# a draft head's family -> (the method that drafts with it, its drafter)
+HEAD_METHODS = {"eagle3": ("eagle", HeadDrafter), "medusa": ("medusa", MedusaDrafter)}
+
+
+def _head(family: str):
+    """The factory of the method that drafts with heads of ``family``: the LLM's head, checked to be one."""
+    method, drafter = HEAD_METHODS[family]
+    return lambda llm, spec: drafter(llm.draft_head(method, family))
 
 
 def _draft_model(llm, spec) -> DraftModelDrafter:
@@ -24,7 +34,9 @@ def _auto(llm, spec) -> AutoDrafter:
     request."""
     candidates = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
     if llm.has_head:  # a head given, or one that ships for this target (a broken one is an error, not skipped)
-        candidates["eagle"] = HeadDrafter(llm.eagle_head())
+        head = llm.draft_head()
+        method, drafter = HEAD_METHODS[head.config.family]
+        candidates[method] = drafter(head)
     try:
         candidates["draft"] = _draft_model(llm, spec)
     except VerispecError:
@@ -35,7 +47,7 @@ def _auto(llm, spec) -> AutoDrafter:
 METHODS = {
     "draft": lambda llm, spec: _draft_model(llm, spec),
     "ngram": lambda llm, spec: NgramDrafter(spec.ngram_min, spec.ngram_max),
-    "eagle": lambda llm, spec: HeadDrafter(llm.eagle_head()),
+    **{method: _head(family) for family, (method, _) in HEAD_METHODS.items()},
     "auto": _auto,
 }
 
@@ -48,5 +60,5 @@ def check_method(method: str) -> None:
         raise ConfigError(f"unknown method {method!r} (available: {', '.join([AR, *METHODS])})")
 
 
-__all__ = ["AR", "check_method", "AutoDrafter", "Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "HeadDrafter", "METHODS", "NgramDrafter",
-           "NgramIndex"]
+__all__ = ["AR", "check_method", "AutoDrafter", "Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "HEAD_METHODS",
+           "HeadDrafter", "MedusaDrafter", "METHODS", "NgramDrafter", "NgramIndex"]

@@ -5,6 +5,7 @@ one training recipe (training/recipes/)."""
 from .base import DraftHead, HeadConfig, to_target_vocab
 from .eagle3 import Eagle3Config, Eagle3Head
 from .io import FAMILIES, load_head, read_head, save_head
+from .medusa import MedusaConfig, MedusaHead
 
-__all__ = ["FAMILIES", "DraftHead", "Eagle3Config", "Eagle3Head", "HeadConfig", "load_head", "read_head", "save_head",
-           "to_target_vocab"]
+__all__ = ["FAMILIES", "DraftHead", "Eagle3Config", "Eagle3Head", "HeadConfig", "MedusaConfig", "MedusaHead", "load_head",
+           "read_head", "save_head", "to_target_vocab"]

@@ -1,6 +1,6 @@
 """A draft head: a small network that reads the target's own hidden states and proposes the next tokens.
 
-Every family (EAGLE-3 today; P-EAGLE, Medusa, MTP next) is one ``DraftHead`` subclass in its own file, and one
+Every family (EAGLE-3, Medusa; P-EAGLE and MTP next) is one ``DraftHead`` subclass in its own file, and one
 training recipe (training/recipes/). The drafter (drafters/head.py), the loader (heads/io.py) and the trainer ask
 a head only for what is here:
 
@@ -118,6 +118,23 @@ class DraftHead(nn.Module):
     def attach_embedding(self, embed: nn.Embedding) -> None:
         """The target's embedding table, used as it is (not a submodule: never saved with the head)."""
         self.__dict__["embed"] = embed
+
+    def attach_target(self, target: nn.Module) -> None:
+        """The target's parts the head uses as they are (never saved with it): its embedding table, and whatever
+        else a family reads (Medusa: the final norm)."""
+        self.attach_embedding(target.embed_tokens)
+
+    def public_name(self, ours: str) -> str:
+        """Our tensor name -> the family's published one."""
+        for mine, public in self.PUBLIC_NAMES.items():
+            ours = ours.replace(mine, public)
+        return ours
+
+    def our_name(self, public: str) -> str:
+        """The family's published tensor name -> ours."""
+        for mine, theirs in self.PUBLIC_NAMES.items():
+            public = public.replace(theirs, mine)
+        return public
 
     def freeze_target_rows(self, target: nn.Module) -> None:
         """The LM head becomes the target's rows for the draft vocabulary (EAGLE-1 style), frozen."""

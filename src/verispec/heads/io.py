@@ -1,8 +1,8 @@
 """Draft-head files: a directory of config.json + model.safetensors (or pytorch_model.bin) in the family's published
 layout (EAGLE-3: the EAGLE authors' and SpecForge's), and ``load_head``: a file made ready to draft for a target.
 
-config.json's ``"family"`` names the family (FAMILIES; a file without it is EAGLE-3, as every published EAGLE-3
-head is). Our own files may leave ``lm_head`` out (the target's rows for the draft vocabulary, frozen: a smaller
+config.json's ``"family"`` names the family (FAMILIES; a file without it is Medusa if it has ``medusa_num_heads`` as
+the Medusa authors' do, else EAGLE-3, as every published EAGLE-3 head is). Our own files may leave ``lm_head`` out (the target's rows for the draft vocabulary, frozen: a smaller
 file) and store matrices as int8 with a per-row scale (``NAME.weight`` int8 + ``NAME.weight_scale``). The draft
 vocabulary is stored as published: ``d2t`` offsets (target id = draft id + d2t[draft id]) and ``t2d`` a bool mask.
 """
@@ -19,13 +19,14 @@ from ..errors import VerispecError
 from ..models.config import ModelConfig
 from .base import DraftHead
 from .eagle3 import Eagle3Head
+from .medusa import MedusaHead
 
 if TYPE_CHECKING:
     from ..models.loader import LoadedModel
 
 HEAD_FILE = "model.safetensors"
 DEFAULT_FAMILY = "eagle3"  # files without "family": every published EAGLE-3 head, and ours before the field
-FAMILIES: dict[str, type[DraftHead]] = {"eagle3": Eagle3Head}
+FAMILIES: dict[str, type[DraftHead]] = {"eagle3": Eagle3Head, "medusa": MedusaHead}
 
 
 def load_head(source: str | Path, target: LoadedModel, device, dtype: torch.dtype) -> DraftHead:
@@ -35,7 +36,7 @@ def load_head(source: str | Path, target: LoadedModel, device, dtype: torch.dtyp
     if not has_lm_head:
         head.freeze_target_rows(target.model)
     head = head.to(device, dtype)
-    head.attach_embedding(target.model.embed_tokens)
+    head.attach_target(target.model)
     head.requires_grad_(False)
     head.quantize(8)
     return head
@@ -50,7 +51,7 @@ def save_head(head: DraftHead, out: Path, int8: bool = True, with_lm_head: bool 
     for name, t in head.state_dict().items():
         if name.startswith("lm_head") and not with_lm_head:
             continue
-        key = _rename(name, head.PUBLIC_NAMES)
+        key = head.public_name(name)
         t = t.detach().float()
         if int8 and t.dim() == 2:
             scale = (t.abs().amax(dim=1) / 127).clamp(min=1e-12)  # [out]
@@ -81,7 +82,7 @@ def read_head(path: str | Path, target_cfg: ModelConfig, target_name: str = "the
         raw = json.loads((path / "config.json").read_text())
         if not isinstance(raw, dict):
             raise TypeError("not a JSON object")
-        family = raw.get("family", DEFAULT_FAMILY)
+        family = raw.get("family") or ("medusa" if "medusa_num_heads" in raw else DEFAULT_FAMILY)
         if family not in FAMILIES:
             raise VerispecError(f"draft head {name}: unknown family {family!r} (known: {', '.join(sorted(FAMILIES))})")
         cls = FAMILIES[family]
@@ -98,7 +99,7 @@ def read_head(path: str | Path, target_cfg: ModelConfig, target_name: str = "the
             continue  # some published heads carry the target's embedding table: not the head's to load
         if key + "_scale" in sd:
             t = t.float() * sd[key + "_scale"].float()[:, None]
-        own[_rename(key, head.PUBLIC_NAMES, back=True)] = t.float()
+        own[head.our_name(key)] = t.float()
     expected = {k: v.shape for k, v in head.state_dict().items()}
     has_lm_head = "lm_head.weight" in own
     for key, shape in expected.items():
@@ -133,17 +134,10 @@ def _draft_ids(sd: dict, Vd: int, V: int, name: str) -> torch.Tensor:
     return d2t
 
 
-def _rename(key: str, names: dict[str, str], back: bool = False) -> str:
-    """Our tensor name -> the published one (back: the published one -> ours)."""
-    for ours, public in names.items():
-        key = key.replace(public, ours) if back else key.replace(ours, public)
-    return key
-
-
 def _read_tensors(path: Path, name: str) -> dict[str, torch.Tensor]:
-    st, bins = sorted(path.glob("*.safetensors")), sorted(path.glob("*.bin"))
+    st, bins = sorted(path.glob("*.safetensors")), sorted([*path.glob("*.bin"), *path.glob("*.pt")])
     if not st and not bins:
-        raise VerispecError(f"draft head {name}: no *.safetensors or *.bin file")
+        raise VerispecError(f"draft head {name}: no *.safetensors, *.bin or *.pt file")
     sd = {}
     try:
         if st:

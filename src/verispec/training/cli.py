@@ -76,7 +76,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--init", default=d.init, metavar="target|random|HEAD_DIR",
                    help="the head's layer starts as the target's last layer (default), random, or as the head in "
                         "HEAD_DIR (continual training, e.g. of the shipped one: its family, layers and vocabulary "
-                        "size; the draft tokens are chosen again from this data)")
+                        "size; the draft tokens are chosen again from this data unless --keep-draft-vocab)")
+    p.add_argument("--keep-draft-vocab", action="store_true",
+                   help="with --init HEAD_DIR: keep its draft tokens (chosen from more data than this run's, say)")
     p.add_argument("--ckpt-every", type=_positive, default=d.ckpt_every, help="steps between checkpoints")
     p.add_argument("--eval-every", type=_positive, default=d.eval_every, help="steps between held-out evaluations")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
@@ -125,6 +127,8 @@ def run_train(args) -> int:
     recipe = RECIPES[args.arch]
     llm = LLM(args.target, progress=progress and rank == 0)
     start = None  # continual training: the head to start from
+    if args.keep_draft_vocab and args.init in ("target", "random"):
+        raise VerispecError("--keep-draft-vocab: only with --init HEAD_DIR (a head whose draft tokens to keep)")
     if args.init not in ("target", "random"):
         if not Path(args.init).is_dir():
             raise VerispecError(f"--init {args.init}: not 'target', 'random' or a head directory")
@@ -165,8 +169,9 @@ def run_train(args) -> int:
         head = start
         if not start_has_lm_head:  # its LM head is the target's rows for its draft vocabulary: the vocabulary is
             # chosen again from this data (the target's rows fit any choice; the old one may miss this data's tokens)
-            head.d2t = draft_vocabulary(train["topk_ids"][..., 0], head.config.draft_vocab_size,
-                                        head.config.vocab_size, eos)
+            if not args.keep_draft_vocab:
+                head.d2t = draft_vocabulary(train["topk_ids"][..., 0], head.config.draft_vocab_size,
+                                            head.config.vocab_size, eos)
             head.freeze_target_rows(target.model)
         head.lm_head.weight.requires_grad_(False)
     else:
@@ -175,7 +180,7 @@ def run_train(args) -> int:
                                     eos)
         recipe.init(head, target.model, cfg.init, cfg.seed)
     hc = head.config
-    head.attach_embedding(target.model.embed_tokens)
+    head.attach_target(target.model)
     trainer = Trainer(head, cfg, train, heldout, out, rank, world,
                       log=lambda line: print(line, file=sys.stderr))
     if args.resume:

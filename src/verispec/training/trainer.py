@@ -9,6 +9,7 @@ Under torchrun (WORLD_SIZE > 1) each rank takes its own sequences of every step 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import time
@@ -148,14 +149,14 @@ class Trainer:
         if self.rank:
             return {}
         h = self.heldout
-        hits, reached, losses = [0] * self.cfg.ttt_steps, [0] * self.cfg.ttt_steps, []
+        hits, reached, losses = [], [], []  # per chain step (EAGLE-3) or head (Medusa)
         for i in range(h["tokens"].shape[0]):
             batch = {k: v[i:i + 1] for k, v in h.items()}
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
                 loss, hh, rr = self.recipe.loss(self.forward, batch, self.labels, self.cfg.ttt_steps)
             losses.append(loss.item())
-            hits = [a + b for a, b in zip(hits, hh)]
-            reached = [a + b for a, b in zip(reached, rr)]
+            hits = [a + b for a, b in itertools.zip_longest(hits, hh, fillvalue=0)]
+            reached = [a + b for a, b in itertools.zip_longest(reached, rr, fillvalue=0)]
         rates = acceptance(hits, reached)
         rec = {"step": self.step, "train_loss": round(train_loss, 4), "heldout_loss": round(sum(losses) / len(losses), 4),
                "heldout_acceptance": [round(a, 4) for a in rates], "heldout_tau": round(expected_tokens(rates), 3),

@@ -1,0 +1,161 @@
+"""The Medusa head drafter (heads/medusa.py, drafters/medusa.py) keeps the output exactly the target's, and its loader
+reads the Medusa authors' layout.
+
+Greedy: method="medusa" gives token for token the AR output (float32 tiny target) for a random head and a head in the
+authors' layout (own LM head per head), K = 1..6 (capped at the head count). Sampling: the chi-square harness of
+test_speculative_distribution.py (the 16-token target as a table whose "hidden states" are the token embeddings:
+test_eagle.FeatureTable) with a random head over 12 of the 16 tokens, and a broken verifier that must fail. A head of
+the wrong family for the method, or the wrong shape for the target, is one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from exact_helpers import ALPHA, chi2_pvalue, variant_verify
+from test_eagle import FeatureTable, draw
+from test_speculative_distribution import N_NEG, N, exact_joint
+
+import test_speculative_distribution as base
+import verispec.engine.engine
+from eagle_helpers import random_head as random_eagle_head
+from verispec import LLM, SamplingParams
+from verispec.cli import main
+from verispec.errors import VerispecError
+from verispec.heads import MedusaConfig, MedusaHead, read_head, save_head
+
+model_dirs, tables = base.model_dirs, base.tables
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
+NEW = 24
+
+
+def random_head(path: Path, target_cfg, rows: list[int] | None = None, seed: int = 0, scale: float = 0.3,
+                num_heads: int = 4) -> Path:
+    """A random Medusa head in our layout (no LM head: the target's rows for ``rows``, default all)."""
+    rows = list(range(target_cfg.vocab_size)) if rows is None else rows
+    head = MedusaHead(MedusaConfig.for_target(target_cfg, None, len(rows), num_heads))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    head.d2t = torch.tensor(sorted(rows))
+    save_head(head, path, int8=False)
+    return path
+
+
+def authors_head(path: Path, target_cfg, num_heads: int = 3, seed: int = 1) -> Path:
+    """A head as the Medusa authors publish one: config.json with medusa_num_heads / medusa_num_layers and
+    medusa_lm_head.safetensors with "{k}.0.linear.*" ResBlocks and a full "{k}.1.weight" LM head per head."""
+    from safetensors.torch import save_file
+
+    D, Vt = target_cfg.hidden_size, target_cfg.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for k in range(num_heads):
+        sd[f"{k}.0.linear.weight"] = torch.randn(D, D, generator=g) * 0.05
+        sd[f"{k}.0.linear.bias"] = torch.randn(D, generator=g) * 0.05
+        sd[f"{k}.1.weight"] = torch.randn(Vt, D, generator=g) * 0.2
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path / "medusa_lm_head.safetensors"))
+    (path / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": 1,
+                                                  "base_model_name_or_path": "tiny"}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_dirs, tmp_path_factory):
+    root = tmp_path_factory.mktemp("medusa")
+    cfg = LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", progress=False).target.config
+    return {"random": random_head(root / "random", cfg, rows=list(range(0, cfg.vocab_size, 2)) + [1]),
+            "authors": authors_head(root / "authors", cfg)}
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_dirs, heads):
+    return {name: LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=str(heads[name]), progress=False)
+            for name in ("random", "authors")}
+
+
+@pytest.mark.parametrize("K", [1, 2, 4, 6])
+@pytest.mark.parametrize("name", ["random", "authors"])
+def test_greedy_identity(llms, name, K):
+    llm = llms[name]
+    for prompt in PROMPTS:
+        want = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        got = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="medusa",
+                           num_draft_tokens=K)
+        assert got.token_ids == want.token_ids, (name, K, prompt)
+        s = got.stats
+        assert s["drafted_tokens"] > 0 and max(len(r) for r in [s["per_position_reached"]]) <= max(K, 1)
+
+
+def test_the_authors_layout_is_read_as_published(tiny_dirs, heads):
+    from verispec.models.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(json.loads((Path(tiny_dirs["qwen2"]) / "config.json").read_text()))
+    head, has_lm_head = read_head(heads["authors"], cfg, "tiny")
+    from safetensors.torch import load_file
+
+    sd = load_file(str(Path(heads["authors"]) / "medusa_lm_head.safetensors"))
+    assert head.config.family == "medusa" and head.config.num_heads == 3 and head.config.own_lm_heads
+    assert head.config.layers == (cfg.num_layers,) and not has_lm_head
+    assert torch.equal(head.blocks[2][0].linear.weight, sd["2.0.linear.weight"])
+    assert torch.equal(head.lm_heads[1].weight, sd["1.1.weight"])
+    assert torch.equal(head.d2t, torch.arange(cfg.vocab_size))
+
+
+def test_a_head_of_the_wrong_family_or_shape_is_one_line(tiny_dirs, heads, tmp_path, capsys):
+    target = str(tiny_dirs["qwen2"])
+    llm = LLM(target=target, dtype="float32", head=str(heads["random"]), progress=False)
+    with pytest.raises(VerispecError, match=r"method eagle needs a eagle3 head, but .* is a medusa head"):
+        llm.generate([1, 2, 3], SamplingParams(max_new_tokens=4), method="eagle")
+    eagle = random_eagle_head(tmp_path / "eagle", llm.target.config)
+    assert main(["generate", "1 2 3", "--target", target, "--dtype", "float32", "--head", str(eagle),
+                 "--method", "medusa", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "method medusa needs a medusa head" in err and "eagle3" in err and len(err.splitlines()) == 1, err
+    narrow = tmp_path / "narrow"
+    authors_head(narrow, dataclasses.replace(llm.target.config, hidden_size=32))
+    with pytest.raises(VerispecError, match="does not fit target"):
+        LLM(target=target, dtype="float32", head=str(narrow), progress=False).draft_head()
+
+
+# -- sampling: chi-square against the exact law, and a broken verifier that must fail --------------------------------
+
+@pytest.fixture(scope="module")
+def table_llm(model_dirs, tables, tmp_path_factory):
+    """The 16-token target as a table, with a random Medusa head over 12 of the 16 tokens."""
+    real = LLM(target=str(model_dirs["target"]), dtype="float32", progress=False)
+    path = random_head(tmp_path_factory.mktemp("medusa16") / "random", real.target.config, rows=list(range(12)),
+                       scale=0.5)
+    llm = LLM(target=str(model_dirs["target"]), dtype="float32", head=str(path), progress=False)
+    llm.draft_head()
+    llm.target.model = FeatureTable(llm.target.model, tables["target"])
+    return llm
+
+
+CASES = {"T1-K2": (2, dict(temperature=1.0)), "T0.8-top_k6-K2": (2, dict(temperature=0.8, top_k=6))}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_medusa_sampling_matches_exact_distribution(table_llm, tables, name):
+    K, kw = CASES[name]
+    params = SamplingParams(**kw)
+    counts, acceptance = draw(table_llm, K, params, N, "medusa")
+    assert 0.02 < acceptance < 0.98, f"{name}: acceptance {acceptance:.3f}"
+    p = chi2_pvalue(counts, exact_joint(tables, params))
+    assert p > ALPHA, f"{name}: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_negative_control_broken_verifier_fails(table_llm, tables, monkeypatch, name):
+    K, kw = CASES[name]
+    params = SamplingParams(**kw)
+    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify("always_accept"))
+    counts, _ = draw(table_llm, K, params, N_NEG, "medusa")
+    assert chi2_pvalue(counts, exact_joint(tables, params)) < ALPHA
