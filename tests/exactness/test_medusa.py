@@ -14,7 +14,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from exact_helpers import ALPHA, chi2_pvalue, variant_verify
