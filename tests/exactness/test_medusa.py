@@ -1,6 +1,8 @@
 """The Medusa head drafter (heads/medusa.py, drafters/medusa.py) keeps the output exactly the target's, and its loader
 reads the Medusa authors' layout.
 
+Training: Medusa-1 on a target with a learnable next-next token (a successor function: a random target's is not
+learnable from one row) raises held-out acceptance far above the untrained head's (can fail).
 Greedy: method="medusa" gives token for token the AR output (float32 tiny target) for a random head and a head in the
 authors' layout (own LM head per head), K = 1..6 (capped at the head count). Sampling: the chi-square harness of
 test_speculative_distribution.py (the 16-token target as a table whose "hidden states" are the token embeddings:
@@ -27,6 +29,7 @@ from verispec import LLM, SamplingParams
 from verispec.cli import main
 from verispec.errors import VerispecError
 from verispec.heads import MedusaConfig, MedusaHead, read_head, save_head
+from tiny import make_hf_model
 
 model_dirs, tables = base.model_dirs, base.tables
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
@@ -64,6 +67,73 @@ def authors_head(path: Path, target_cfg, num_heads: int = 3, seed: int = 1) -> P
     (path / "config.json").write_text(json.dumps({"medusa_num_heads": num_heads, "medusa_num_layers": 1,
                                                   "base_model_name_or_path": "tiny"}))
     return path
+
+
+def successor_target(path: Path, n: int = 16, seed: int = 7) -> tuple[Path, list[int]]:
+    """A tiny target whose next token is a fixed permutation sigma of the current one on tokens 0..n-1: its attention
+    and MLP write nothing (output projections zero), so the last residual stream is the token's embedding, and its LM
+    head is the embedding rows permuted (row sigma(x) = E[x]). Greedy text walks sigma's cycles, and Medusa head k has
+    a function to learn from one row: x -> sigma^(k+2)(x), a linear map on n embeddings. -> (path, sigma)."""
+    model = make_hf_model("llama", seed)
+    sigma = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        E = model.model.embed_tokens.weight
+        lm = E.clone()
+        lm[sigma] = E[:n]
+        model.lm_head.weight.copy_(lm)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path, sigma
+
+
+def train(llm: LLM, path: Path, steps: int, vocab: int) -> dict:
+    """Medusa-1 (training/recipes/medusa.py, the trainer) on the target's greedy continuations of random prompts over
+    tokens 0..vocab-1, 4 held out -> the last held-out record; the head written to ``path``."""
+    from verispec.training.extract import features_of
+    from verispec.training.recipes import RECIPES
+    from verispec.training.trainer import TrainConfig, Trainer, draft_vocabulary
+
+    model, cfg = llm.target.model, llm.target.config
+    hc = MedusaConfig.for_target(cfg, None, cfg.vocab_size)
+    seqs = []
+    for seed in range(36):
+        prompt = torch.randint(0, vocab, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
+        out = llm.generate(prompt, SamplingParams(max_new_tokens=44, ignore_eos=True)).token_ids
+        seqs.append(features_of(model, prompt + out, hc.layers, 8))
+    data = {k: torch.stack([s[k] for s in seqs]) for k in seqs[0]}
+    held, train_ = {k: v[-4:] for k, v in data.items()}, {k: v[:-4] for k, v in data.items()}
+    head = MedusaHead(hc)
+    head.d2t = draft_vocabulary(train_["topk_ids"][..., 0], hc.draft_vocab_size, cfg.vocab_size, ())
+    RECIPES["medusa"].init(head, model, "target", 0)
+    head.attach_target(model)
+    path.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(head, TrainConfig(steps=max(steps, 1), lr=3e-3, eval_every=max(steps, 1),
+                                        ckpt_every=max(steps, 1), warmup=10), train_, held, path, log=lambda line: None)
+    trainer.autocast = False
+    if steps:
+        trainer.run(progress=False)
+    else:
+        trainer.evaluate(0.0, 0.0)
+    save_head(head, path)
+    return trainer.history[-1]
+
+
+def test_training_raises_heldout_acceptance_far_above_the_untrained_head(tmp_path):
+    target, sigma = successor_target(tmp_path / "successor")
+    llm = LLM(target=str(target), dtype="float32", progress=False)
+    out = llm.generate([3], SamplingParams(max_new_tokens=3, ignore_eos=True)).token_ids
+    assert out == [sigma[3], sigma[sigma[3]], sigma[sigma[sigma[3]]]]  # the target is what it claims
+    untrained = train(llm, tmp_path / "untrained", 0, 16)
+    trained = train(llm, tmp_path / "trained", 300, 16)
+    assert len(trained["heldout_acceptance"]) == 4  # one rate per head
+    assert trained["heldout_acceptance"][0] > untrained["heldout_acceptance"][0] + 0.5, (untrained, trained)
+    assert trained["heldout_tau"] > untrained["heldout_tau"] + 1.0, (untrained, trained)
+    drafted = LLM(target=str(target), dtype="float32", head=str(tmp_path / "trained"), progress=False).generate(
+        [5, 1], SamplingParams(max_new_tokens=24, ignore_eos=True), method="medusa", num_draft_tokens=4)
+    assert drafted.token_ids == llm.generate([5, 1], SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
+    assert drafted.stats["acceptance_rate"] > 0.5, drafted.stats
 
 
 @pytest.fixture(scope="module")
