@@ -213,13 +213,15 @@ def table_heads(model_dirs, tables, tmp_path_factory):
     real = LLM(target=str(model_dirs["target"]), dtype="float32", progress=False)
     paths = {"random": random_head(root / "random", real.target.config, rows=list(range(12)), scale=0.3),
              "trained": trained_head(root / "trained", real, steps=120)}
-    out = {}
-    for name, path in paths.items():
-        llm = LLM(target=str(model_dirs["target"]), dtype="float32", head=str(path), progress=False)
-        llm.draft_head()
-        llm.target.model = FeatureTable(llm.target.model, tables["target"])
-        out[name] = llm
-    return out
+    return {name: table_llm_with(model_dirs, tables, path) for name, path in paths.items()}
+
+
+def table_llm_with(model_dirs, tables, head: Path) -> LLM:
+    """The 16-token target as a table (FeatureTable), drafting with the head in ``head``."""
+    llm = LLM(target=str(model_dirs["target"]), dtype="float32", head=str(head), progress=False)
+    llm.draft_head()  # loaded on the real network (its embedding and norm), before the table stands in
+    llm.target.model = FeatureTable(llm.target.model, tables["target"])
+    return llm
 
 
 def draw(llm, K: int, params: SamplingParams, n: int, method: str = "eagle"):
@@ -239,20 +241,30 @@ CASES = {"random-T1-K2": ("random", 2, dict(temperature=1.0)),
          "trained-T0.8-top_k6-K2": ("trained", 2, dict(temperature=0.8, top_k=6))}
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_eagle_sampling_matches_exact_distribution(table_heads, tables, name):
-    head, K, kw = CASES[name]
+def check_law(llm, tables, name: str, K: int, kw: dict, method: str = "eagle") -> None:
+    """N seeded draws of 3 tokens match the exact AR law (chi-square), with acceptance neither ~0 nor ~1."""
     params = SamplingParams(**kw)
-    counts, acceptance = draw(table_heads[head], K, params, N)
+    counts, acceptance = draw(llm, K, params, N, method)
     assert 0.02 < acceptance < 0.98, f"{name}: acceptance {acceptance:.3f}"
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p > ALPHA, f"{name}: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
 
 
+def check_broken_verifier_fails(llm, tables, monkeypatch, K: int, kw: dict, method: str = "eagle") -> None:
+    """The negative control: a verifier that accepts every draft is rejected by the same chi-square test."""
+    params = SamplingParams(**kw)
+    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify("always_accept"))
+    counts, _ = draw(llm, K, params, N_NEG, method)
+    assert chi2_pvalue(counts, exact_joint(tables, params)) < ALPHA
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_eagle_sampling_matches_exact_distribution(table_heads, tables, name):
+    head, K, kw = CASES[name]
+    check_law(table_heads[head], tables, name, K, kw)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_negative_control_broken_verifier_fails(table_heads, tables, monkeypatch, name):
     head, K, kw = CASES[name]
-    params = SamplingParams(**kw)
-    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify("always_accept"))
-    counts, _ = draw(table_heads[head], K, params, N_NEG)
-    assert chi2_pvalue(counts, exact_joint(tables, params)) < ALPHA
+    check_broken_verifier_fails(table_heads[head], tables, monkeypatch, K, kw)

@@ -18,18 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from exact_helpers import ALPHA, chi2_pvalue, variant_verify
-from test_eagle import FeatureTable, draw
-from test_speculative_distribution import N_NEG, N, exact_joint
+from test_eagle import check_broken_verifier_fails, check_law, table_llm_with
 
 import test_speculative_distribution as base
-import verispec.engine.engine
 from eagle_helpers import random_head as random_eagle_head
+from eagle_helpers import successor_target, train_head
 from verispec import LLM, SamplingParams
 from verispec.cli import main
 from verispec.errors import VerispecError
 from verispec.heads import MedusaConfig, MedusaHead, read_head, save_head
-from tiny import make_hf_model
 
 model_dirs, tables = base.model_dirs, base.tables
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
@@ -69,64 +66,13 @@ def authors_head(path: Path, target_cfg, num_heads: int = 3, seed: int = 1) -> P
     return path
 
 
-def successor_target(path: Path, n: int = 16, seed: int = 7) -> tuple[Path, list[int]]:
-    """A tiny target whose next token is a fixed permutation sigma of the current one on tokens 0..n-1: its attention
-    and MLP write nothing (output projections zero), so the last residual stream is the token's embedding, and its LM
-    head is the embedding rows permuted (row sigma(x) = E[x]). Greedy text walks sigma's cycles, and Medusa head k has
-    a function to learn from one row: x -> sigma^(k+2)(x), a linear map on n embeddings. -> (path, sigma)."""
-    model = make_hf_model("llama", seed)
-    sigma = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        E = model.model.embed_tokens.weight
-        lm = E.clone()
-        lm[sigma] = E[:n]
-        model.lm_head.weight.copy_(lm)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return path, sigma
-
-
-def train(llm: LLM, path: Path, steps: int, vocab: int) -> dict:
-    """Medusa-1 (training/recipes/medusa.py, the trainer) on the target's greedy continuations of random prompts over
-    tokens 0..vocab-1, 4 held out -> the last held-out record; the head written to ``path``."""
-    from verispec.training.extract import features_of
-    from verispec.training.recipes import RECIPES
-    from verispec.training.trainer import TrainConfig, Trainer, draft_vocabulary
-
-    model, cfg = llm.target.model, llm.target.config
-    hc = MedusaConfig.for_target(cfg, None, cfg.vocab_size)
-    seqs = []
-    for seed in range(36):
-        prompt = torch.randint(0, vocab, (4,), generator=torch.Generator().manual_seed(seed)).tolist()
-        out = llm.generate(prompt, SamplingParams(max_new_tokens=44, ignore_eos=True)).token_ids
-        seqs.append(features_of(model, prompt + out, hc.layers, 8))
-    data = {k: torch.stack([s[k] for s in seqs]) for k in seqs[0]}
-    held, train_ = {k: v[-4:] for k, v in data.items()}, {k: v[:-4] for k, v in data.items()}
-    head = MedusaHead(hc)
-    head.d2t = draft_vocabulary(train_["topk_ids"][..., 0], hc.draft_vocab_size, cfg.vocab_size, ())
-    RECIPES["medusa"].init(head, model, "target", 0)
-    head.attach_target(model)
-    path.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(head, TrainConfig(steps=max(steps, 1), lr=3e-3, eval_every=max(steps, 1),
-                                        ckpt_every=max(steps, 1), warmup=10), train_, held, path, log=lambda line: None)
-    trainer.autocast = False
-    if steps:
-        trainer.run(progress=False)
-    else:
-        trainer.evaluate(0.0, 0.0)
-    save_head(head, path)
-    return trainer.history[-1]
-
-
 def test_training_raises_heldout_acceptance_far_above_the_untrained_head(tmp_path):
     target, sigma = successor_target(tmp_path / "successor")
     llm = LLM(target=str(target), dtype="float32", progress=False)
     out = llm.generate([3], SamplingParams(max_new_tokens=3, ignore_eos=True)).token_ids
     assert out == [sigma[3], sigma[sigma[3]], sigma[sigma[sigma[3]]]]  # the target is what it claims
-    untrained = train(llm, tmp_path / "untrained", 0, 16)
-    trained = train(llm, tmp_path / "trained", 300, 16)
+    untrained = train_head(llm, "medusa", tmp_path / "untrained", 0, 16)
+    trained = train_head(llm, "medusa", tmp_path / "trained", 300, 16)
     assert len(trained["heldout_acceptance"]) == 4  # one rate per head
     assert trained["heldout_acceptance"][0] > untrained["heldout_acceptance"][0] + 0.5, (untrained, trained)
     assert trained["heldout_tau"] > untrained["heldout_tau"] + 1.0, (untrained, trained)
@@ -202,10 +148,7 @@ def table_llm(model_dirs, tables, tmp_path_factory):
     real = LLM(target=str(model_dirs["target"]), dtype="float32", progress=False)
     path = random_head(tmp_path_factory.mktemp("medusa16") / "random", real.target.config, rows=list(range(12)),
                        scale=0.5)
-    llm = LLM(target=str(model_dirs["target"]), dtype="float32", head=str(path), progress=False)
-    llm.draft_head()
-    llm.target.model = FeatureTable(llm.target.model, tables["target"])
-    return llm
+    return table_llm_with(model_dirs, tables, path)
 
 
 CASES = {"T1-K2": (2, dict(temperature=1.0)), "T0.8-top_k6-K2": (2, dict(temperature=0.8, top_k=6))}
@@ -213,18 +156,9 @@ CASES = {"T1-K2": (2, dict(temperature=1.0)), "T0.8-top_k6-K2": (2, dict(tempera
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_medusa_sampling_matches_exact_distribution(table_llm, tables, name):
-    K, kw = CASES[name]
-    params = SamplingParams(**kw)
-    counts, acceptance = draw(table_llm, K, params, N, "medusa")
-    assert 0.02 < acceptance < 0.98, f"{name}: acceptance {acceptance:.3f}"
-    p = chi2_pvalue(counts, exact_joint(tables, params))
-    assert p > ALPHA, f"{name}: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
+    check_law(table_llm, tables, name, *CASES[name], "medusa")
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_negative_control_broken_verifier_fails(table_llm, tables, monkeypatch, name):
-    K, kw = CASES[name]
-    params = SamplingParams(**kw)
-    monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify("always_accept"))
-    counts, _ = draw(table_llm, K, params, N_NEG, "medusa")
-    assert chi2_pvalue(counts, exact_joint(tables, params)) < ALPHA
+    check_broken_verifier_fails(table_llm, tables, monkeypatch, *CASES[name], "medusa")

@@ -8,12 +8,12 @@ from ..errors import ConfigError, VerispecError
 from .auto import AutoDrafter
 from .base import Draft, Drafter, DraftRequest
 from .draft_model import DraftModelDrafter
-from .head import HeadDrafter
+from .head import HeadDrafter, MtpDrafter
 from .medusa import MedusaDrafter
 from .ngram import NgramDrafter, NgramIndex
 
 # a draft head's family -> (the method that drafts with it, its drafter)
-HEAD_METHODS = {"eagle3": ("eagle", HeadDrafter), "medusa": ("medusa", MedusaDrafter)}
+HEAD_METHODS = {"eagle3": ("eagle", HeadDrafter), "medusa": ("medusa", MedusaDrafter), "mtp": ("mtp", MtpDrafter)}
 
 
 def _head(family: str):
@@ -61,4 +61,4 @@ def check_method(method: str) -> None:
 
 
 __all__ = ["AR", "check_method", "AutoDrafter", "Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "HEAD_METHODS",
-           "HeadDrafter", "MedusaDrafter", "METHODS", "NgramDrafter", "NgramIndex"]
+           "HeadDrafter", "MedusaDrafter", "MtpDrafter", "METHODS", "NgramDrafter", "NgramIndex"]

@@ -1,4 +1,5 @@
-"""A draft head (heads/: EAGLE-3 or any DraftHead) drafts from the target's own hidden states; method "eagle".
+"""A chained draft head (heads/: EAGLE-3, an MTP module) drafts from the target's own hidden states; methods "eagle"
+and "mtp".
 
 The engine hands over the target's features of every committed position (``feature_layers`` asks for them; see
 DraftRequest.features). Each round the head first catches up on the committed positions it has not read (the
@@ -72,3 +73,9 @@ class HeadDrafter(Drafter):
 
     def update(self, num_accepted: int) -> None:
         pass  # the chain's rows are dropped at the next catch-up (truncate to the committed rows)
+
+
+class MtpDrafter(HeadDrafter):
+    """An MTP module (heads/mtp.py) drafts as an EAGLE head does: catch up, then a chain on its own outputs."""
+
+    name = "mtp"

@@ -6,6 +6,7 @@ from .base import DraftHead, HeadConfig, to_target_vocab
 from .eagle3 import Eagle3Config, Eagle3Head
 from .io import FAMILIES, load_head, read_head, save_head
 from .medusa import MedusaConfig, MedusaHead
+from .mtp import MtpConfig, MtpHead
 
-__all__ = ["FAMILIES", "DraftHead", "Eagle3Config", "Eagle3Head", "HeadConfig", "MedusaConfig", "MedusaHead", "load_head",
+__all__ = ["FAMILIES", "DraftHead", "Eagle3Config", "Eagle3Head", "HeadConfig", "MedusaConfig", "MedusaHead", "MtpConfig", "MtpHead", "load_head",
            "read_head", "save_head", "to_target_vocab"]

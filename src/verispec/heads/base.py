@@ -1,6 +1,6 @@
 """A draft head: a small network that reads the target's own hidden states and proposes the next tokens.
 
-Every family (EAGLE-3, Medusa; P-EAGLE and MTP next) is one ``DraftHead`` subclass in its own file, and one
+Every family (EAGLE-3, Medusa, MTP; P-EAGLE next) is one ``DraftHead`` subclass in its own file, and one
 training recipe (training/recipes/). The drafter (drafters/head.py), the loader (heads/io.py) and the trainer ask
 a head only for what is here:
 
@@ -130,8 +130,8 @@ class DraftHead(nn.Module):
             ours = ours.replace(mine, public)
         return ours
 
-    def our_name(self, public: str) -> str:
-        """The family's published tensor name -> ours."""
+    def our_name(self, public: str) -> str | None:
+        """The family's published tensor name -> ours (None: a tensor that is not the head's, skipped)."""
         for mine, theirs in self.PUBLIC_NAMES.items():
             public = public.replace(theirs, mine)
         return public

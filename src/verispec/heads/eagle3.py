@@ -52,12 +52,17 @@ class Eagle3Config(HeadConfig):
 
     @classmethod
     def for_target(cls, cfg: ModelConfig, layers: tuple[int, ...] | None, draft_vocab_size: int) -> Eagle3Config:
-        """A head of the target's shape. layers default: EAGLE-3's low / middle / high (2, L/2, L-3)."""
-        layers = tuple(layers) if layers else default_layers(cfg.num_layers)
+        """A head of the target's shape. layers default: ``default_layers`` (EAGLE-3: low / middle / high, 2, L/2,
+        L-3)."""
+        layers = tuple(layers) if layers else cls.default_layers(cfg.num_layers)
         check_layers(layers, cfg.num_layers)
         return cls(cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    cfg.rms_norm_eps, cfg.vocab_size, min(draft_vocab_size, cfg.vocab_size), layers, cfg.rope_theta,
                    cfg.qkv_bias, cfg.max_position_embeddings)
+
+    @staticmethod
+    def default_layers(num_layers: int) -> tuple[int, ...]:
+        return default_layers(num_layers)
 
     @classmethod
     def from_json(cls, raw: dict, target_cfg: ModelConfig) -> Eagle3Config:
@@ -91,17 +96,19 @@ def default_layers(num_layers: int) -> tuple[int, ...]:
 
 
 class HeadAttention(nn.Module):
-    def __init__(self, c: Eagle3Config):
+    """A head's attention (grouped heads, RoPE): q/k/v read ``in_features`` (EAGLE-3: 2D, [embedding, hidden])."""
+
+    def __init__(self, c, in_features: int | None = None):
         super().__init__()
         self.h, self.hkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
-        D2, bias = 2 * c.hidden_size, c.attention_bias
-        self.q_proj = Linear(D2, self.h * self.hd, bias=bias)
-        self.k_proj = Linear(D2, self.hkv * self.hd, bias=bias)
-        self.v_proj = Linear(D2, self.hkv * self.hd, bias=bias)
+        D_in, bias = in_features or 2 * c.hidden_size, c.attention_bias
+        self.q_proj = Linear(D_in, self.h * self.hd, bias=bias)
+        self.k_proj = Linear(D_in, self.hkv * self.hd, bias=bias)
+        self.v_proj = Linear(D_in, self.hkv * self.hd, bias=bias)
         self.o_proj = Linear(self.h * self.hd, c.hidden_size, bias=False)
 
     def qkv(self, x, cos, sin):
-        """x: [B, T, 2D]; cos, sin: [B, 1, T, hd] -> q [B, H, T, hd], k, v [B, Hkv, T, hd] (RoPE applied)."""
+        """x: [B, T, D_in]; cos, sin: [B, 1, T, hd] -> q [B, H, T, hd], k, v [B, Hkv, T, hd] (RoPE applied)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.h, self.hd).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.hkv, self.hd).transpose(1, 2)
@@ -168,28 +175,33 @@ class Eagle3Head(DraftHead):
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed T rows at the cache's next positions: hidden [1, T, D] (fc(features) or the head's own output),
         tokens [1, T] (the token each row's next-token input is) -> output hidden [1, T, D]."""
-        T, start = tokens.shape[1], cache.reserve(tokens.shape[1])
-        positions = torch.arange(start, start + T, device=tokens.device)[None]
         m = self.midlayer
         x = m.inputs(self.embed(tokens).to(hidden.dtype), hidden)  # [1, T, 2D]
-        cos, sin = self.rope(positions, x.dtype)
-        q, k, v = m.self_attn.qkv(x, cos, sin)
-        k_all, v_all = cache.update(0, k, v)  # [1, Hkv, S, hd]
-        mask = None
-        if T > 1:
-            S = start + T
-            mask = (torch.arange(S, device=x.device)[None] <= torch.arange(start, S, device=x.device)[:, None])[None, None]
-        if T <= SMALL_T:
-            o = grouped_attention(q, k_all, v_all, mask)
-        else:
-            add = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, MASKED)
-            o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=add, enable_gqa=m.self_attn.h != m.self_attn.hkv)
-        cache.advance(T)
-        return m.finish(hidden, m.self_attn.out(o))
+        return m.finish(hidden, cached_attention(m.self_attn, x, self.rope, cache))
 
     def new_cache(self, capacity: int, dtype, device) -> KVCache:
         c = self.config
         return KVCache(1, 1, c.num_kv_heads, capacity, c.head_dim, dtype, device)
+
+
+def cached_attention(attn: HeadAttention, x: torch.Tensor, rope, cache: KVCache) -> torch.Tensor:
+    """x [1, T, D_in] at the cache's next positions -> attention output [1, T, D] over the cache and these rows
+    (causal); the rows' keys and values stay in the cache. ``rope(positions [1, T], dtype)`` -> cos, sin."""
+    T, start = x.shape[1], cache.reserve(x.shape[1])
+    cos, sin = rope(torch.arange(start, start + T, device=x.device)[None], x.dtype)
+    q, k, v = attn.qkv(x, cos, sin)
+    k_all, v_all = cache.update(0, k, v)  # [1, Hkv, S, hd]
+    mask = None
+    if T > 1:
+        S = start + T
+        mask = (torch.arange(S, device=x.device)[None] <= torch.arange(start, S, device=x.device)[:, None])[None, None]
+    if T <= SMALL_T:
+        o = grouped_attention(q, k_all, v_all, mask)
+    else:
+        add = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, MASKED)
+        o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=add, enable_gqa=attn.h != attn.hkv)
+    cache.advance(T)
+    return attn.out(o)
 
 
 def _rope_cfg(c: Eagle3Config) -> ModelConfig:

@@ -1,8 +1,8 @@
 """Draft-head files: a directory of config.json + model.safetensors (or pytorch_model.bin) in the family's published
 layout (EAGLE-3: the EAGLE authors' and SpecForge's), and ``load_head``: a file made ready to draft for a target.
 
-config.json's ``"family"`` names the family (FAMILIES; a file without it is Medusa if it has ``medusa_num_heads`` as
-the Medusa authors' do, else EAGLE-3, as every published EAGLE-3 head is). Our own files may leave ``lm_head`` out (the target's rows for the draft vocabulary, frozen: a smaller
+config.json's ``"family"`` names the family (FAMILIES; a file without it is Medusa or MTP by the keys their authors
+write, PUBLISHED, else EAGLE-3, as every published EAGLE-3 head is). Our own files may leave ``lm_head`` out (the target's rows for the draft vocabulary, frozen: a smaller
 file) and store matrices as int8 with a per-row scale (``NAME.weight`` int8 + ``NAME.weight_scale``). The draft
 vocabulary is stored as published: ``d2t`` offsets (target id = draft id + d2t[draft id]) and ``t2d`` a bool mask.
 """
@@ -20,13 +20,16 @@ from ..models.config import ModelConfig
 from .base import DraftHead
 from .eagle3 import Eagle3Head
 from .medusa import MedusaHead
+from .mtp import MtpHead
 
 if TYPE_CHECKING:
     from ..models.loader import LoadedModel
 
 HEAD_FILE = "model.safetensors"
 DEFAULT_FAMILY = "eagle3"  # files without "family": every published EAGLE-3 head, and ours before the field
-FAMILIES: dict[str, type[DraftHead]] = {"eagle3": Eagle3Head, "medusa": MedusaHead}
+FAMILIES: dict[str, type[DraftHead]] = {"eagle3": Eagle3Head, "medusa": MedusaHead, "mtp": MtpHead}
+# a published config.json without "family": the key that names its family (MTP: DeepSeek-V3 / MiMo, Qwen3.5)
+PUBLISHED = (("medusa_num_heads", "medusa"), ("num_nextn_predict_layers", "mtp"), ("mtp_num_hidden_layers", "mtp"))
 
 
 def load_head(source: str | Path, target: LoadedModel, device, dtype: torch.dtype) -> DraftHead:
@@ -82,7 +85,7 @@ def read_head(path: str | Path, target_cfg: ModelConfig, target_name: str = "the
         raw = json.loads((path / "config.json").read_text())
         if not isinstance(raw, dict):
             raise TypeError("not a JSON object")
-        family = raw.get("family") or ("medusa" if "medusa_num_heads" in raw else DEFAULT_FAMILY)
+        family = raw.get("family") or next((f for key, f in PUBLISHED if key in raw), DEFAULT_FAMILY)
         if family not in FAMILIES:
             raise VerispecError(f"draft head {name}: unknown family {family!r} (known: {', '.join(sorted(FAMILIES))})")
         cls = FAMILIES[family]
@@ -99,7 +102,9 @@ def read_head(path: str | Path, target_cfg: ModelConfig, target_name: str = "the
             continue  # some published heads carry the target's embedding table: not the head's to load
         if key + "_scale" in sd:
             t = t.float() * sd[key + "_scale"].float()[:, None]
-        own[head.our_name(key)] = t.float()
+        ours = head.our_name(key)
+        if ours is not None:  # None: not the head's (the trunk around an MTP module, a copy of the LM head)
+            own[ours] = t.float()
     expected = {k: v.shape for k, v in head.state_dict().items()}
     has_lm_head = "lm_head.weight" in own
     for key, shape in expected.items():

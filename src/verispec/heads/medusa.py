@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import VerispecError
+from ..errors import ConfigError, VerispecError
 from ..models.config import ModelConfig
 from ..models.linear import Linear
 from .base import DraftHead, HeadConfig, check_layers
@@ -44,7 +44,7 @@ class MedusaConfig(HeadConfig):
 
     def __post_init__(self):
         if len(self.layers) != 1 or self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError(f"a Medusa head reads one layer with >= 1 heads, got layers {self.layers}, "
+            raise ConfigError(f"a Medusa head reads one layer with >= 1 heads, got layers {self.layers}, "
                              f"{self.num_heads} heads of {self.num_layers} ResBlocks")
 
     @classmethod

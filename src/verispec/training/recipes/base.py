@@ -57,3 +57,12 @@ def random_init(head: DraftHead, seed: int) -> None:
                 p.fill_(1.0)
             else:
                 p.zero_()
+
+
+def start(head: DraftHead, target: nn.Module, seed: int, norm: nn.Module) -> None:
+    """What every chained head starts from: random weights (random_init), the LM head the target's rows for its draft
+    vocabulary (frozen), ``norm`` (its final norm) the target's."""
+    random_init(head, seed)
+    head.freeze_target_rows(target)
+    with torch.no_grad():
+        norm.weight.copy_(target.norm.weight.float())

@@ -10,41 +10,45 @@ from torch import nn
 
 from ...heads.eagle3 import Eagle3Head
 from ...models.llama import MASKED
-from .base import Labels, Recipe, random_init
+from .base import Labels, Recipe, start
 
 STEP_WEIGHT = 0.8  # EAGLE-3: step j's loss weighted 0.8^j
 
 
 def init(head: Eagle3Head, target: nn.Module, init: str, seed: int) -> None:
     """Weights before training; the LM head is always the target's rows for the draft vocabulary (frozen)."""
-    random_init(head, seed)
-    head.freeze_target_rows(target)
+    start(head, target, seed, head.norm)
+    if init != "target":
+        return
     D = head.config.hidden_size
     with torch.no_grad():
-        head.norm.weight.copy_(target.norm.weight.float())
-        if init != "target":
-            return
         last, m = target.layers[-1], head.midlayer
-        a, ta = m.self_attn, last.self_attn
-        qkv = ta.qkv_proj.dense_weight().float()  # [(H + 2 Hkv) hd, D]
-        q, k, v = qkv.split([a.h * a.hd, a.hkv * a.hd, a.hkv * a.hd])
-        for proj, w in ((a.q_proj, q), (a.k_proj, k), (a.v_proj, v)):
-            proj.weight[:, D:] = w  # the hidden half reads as the target's layer does; the token half is new
-        if ta.qkv_proj.bias is not None and a.q_proj.bias is not None:
-            for proj, b in zip((a.q_proj, a.k_proj, a.v_proj),
-                               ta.qkv_proj.bias.float().split([a.h * a.hd, a.hkv * a.hd, a.hkv * a.hd])):
-                proj.bias.copy_(b)
-        a.o_proj.weight.copy_(ta.o_proj.dense_weight().float())
-        gate, up = last.mlp.gate_up_proj.dense_weight().float().split(last.mlp.inter)
-        m.gate_proj.weight.copy_(gate)
-        m.up_proj.weight.copy_(up)
-        m.down_proj.weight.copy_(last.mlp.down_proj.dense_weight().float())
+        copy_last_layer(m, m.self_attn, last, D_in=D)  # the hidden half reads as the target's layer does
         for norm in (m.hidden_norm, m.input_layernorm):
             norm.weight.copy_(last.input_layernorm.weight.float())
         m.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
         n = len(head.config.layers)
         head.fc.weight.mul_(0.1)
         head.fc.weight[:, (n - 1) * D:] += torch.eye(D)  # start from the highest layer's features
+
+
+def copy_last_layer(layer: nn.Module, a: nn.Module, last: nn.Module, D_in: int) -> None:
+    """The target's last layer into a head's: q/k/v into the columns from ``D_in`` on (EAGLE-3: the hidden half of
+    its [embedding, hidden] input, whose token half is new; MTP: all), o_proj, the MLP (gate / up / down)."""
+    ta = last.self_attn
+    qkv = ta.qkv_proj.dense_weight().float()  # [(H + 2 Hkv) hd, D]
+    q, k, v = qkv.split([a.h * a.hd, a.hkv * a.hd, a.hkv * a.hd])
+    for proj, w in ((a.q_proj, q), (a.k_proj, k), (a.v_proj, v)):
+        proj.weight[:, D_in:] = w
+    if ta.qkv_proj.bias is not None and a.q_proj.bias is not None:
+        for proj, b in zip((a.q_proj, a.k_proj, a.v_proj),
+                           ta.qkv_proj.bias.float().split([a.h * a.hd, a.hkv * a.hd, a.hkv * a.hd])):
+            proj.bias.copy_(b)
+    a.o_proj.weight.copy_(ta.o_proj.dense_weight().float())
+    gate, up = last.mlp.gate_up_proj.dense_weight().float().split(last.mlp.inter)
+    layer.gate_proj.weight.copy_(gate)
+    layer.up_proj.weight.copy_(up)
+    layer.down_proj.weight.copy_(last.mlp.down_proj.dense_weight().float())
 
 
 def unroll(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, steps: int) -> list[torch.Tensor]:

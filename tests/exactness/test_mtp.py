@@ -1,0 +1,174 @@
+"""The MTP module (heads/mtp.py, drafted by drafters/head.py's MtpDrafter) keeps the output exactly the target's, and
+its loader reads MiMo's, DeepSeek-V3's and Qwen3.5's namings of the module.
+
+Loaders: one module written in each layout (with trunk tensors and an LM-head copy around it, as a whole checkpoint
+holds them) reads back to the same weights; our own files are MiMo's layout. Greedy: method="mtp" gives token for
+token the AR output (float32 tiny target) for a random module, K = 1..6. Sampling: the chi-square harness of
+test_speculative_distribution.py (test_eagle.FeatureTable) with a random module, and a broken verifier that must fail.
+Training: the next-next-token objective on a successor-function target raises held-out acceptance far above the
+untrained module's (can fail). A module of the wrong family for the method is one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_eagle import check_broken_verifier_fails, check_law, table_llm_with
+
+import test_speculative_distribution as base
+from eagle_helpers import successor_target, train_head
+from verispec import LLM, SamplingParams
+from verispec.errors import VerispecError
+from verispec.heads import MtpConfig, MtpHead, read_head, save_head
+
+model_dirs, tables = base.model_dirs, base.tables
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
+NEW = 24
+DEEPSEEK = {"token_layernorm.": "enorm.", "hidden_layernorm.": "hnorm.", "input_proj.": "eh_proj.",
+            "final_layernorm.": "shared_head.norm."}
+QWEN35 = {"token_layernorm.": "pre_fc_norm_embedding.", "hidden_layernorm.": "pre_fc_norm_hidden.",
+          "input_proj.": "fc.", "final_layernorm.": "norm."}
+
+
+def random_module(target_cfg, rows: list[int] | None = None, seed: int = 0, scale: float = 0.15) -> MtpHead:
+    rows = list(range(target_cfg.vocab_size)) if rows is None else rows
+    head = MtpHead(MtpConfig.for_target(target_cfg, None, len(rows)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale if p.dim() == 2 else 1 + 0.1 * torch.randn(p.shape,
+                                                                                                       generator=g))
+    head.d2t = torch.tensor(sorted(rows))
+    return head
+
+
+def write_layout(head: MtpHead, path: Path, layout: str) -> Path:
+    """The module as a published checkpoint holds it (full vocabulary), with a trunk tensor and an LM-head copy
+    around it: MiMo (model.mtp_layers.0.*), DeepSeek-V3 (model.layers.{L}.*, the module's own names) or Qwen3.5
+    (mtp.*)."""
+    from safetensors.torch import save_file
+
+    L, D = head.config.layers[0], head.config.hidden_size
+    sd = {}
+    for name, t in head.state_dict().items():
+        if name.startswith("lm_head"):
+            continue
+        mimo = head.public_name(name).removeprefix("model.mtp_layers.0.")  # e.g. mlp.gate_proj.weight
+        if layout == "mimo":
+            key = "model.mtp_layers.0." + mimo
+        elif layout == "deepseek":
+            key = f"model.layers.{L}." + next((mimo.replace(a, b, 1) for a, b in DEEPSEEK.items()
+                                               if mimo.startswith(a)), mimo)
+        else:
+            part = next((mimo.replace(a, b, 1) for a, b in QWEN35.items() if mimo.startswith(a)), None)
+            key = "mtp." + (part if part is not None else "layers.0." + mimo)
+        sd[key] = t.detach().clone()
+    sd["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(D, D)  # the trunk: not the module's
+    sd["model.embed_tokens.weight"] = torch.zeros(head.config.vocab_size, D)
+    if layout == "deepseek":
+        sd[f"model.layers.{L}.shared_head.head.weight"] = torch.zeros(head.config.vocab_size, D)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(sd, str(path / "model.safetensors"))
+    cfg = head.config.to_json()
+    del cfg["draft_vocab_size"]
+    key = {"mimo": "num_nextn_predict_layers", "deepseek": "num_nextn_predict_layers",
+           "qwen35": "mtp_num_hidden_layers"}[layout]
+    (path / "config.json").write_text(json.dumps({**{k: v for k, v in cfg.items() if k != "num_nextn_predict_layers"},
+                                                  key: 1}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def target_cfg(tiny_dirs):
+    return LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", progress=False).target.config
+
+
+@pytest.fixture(scope="module")
+def heads(target_cfg, tmp_path_factory):
+    root = tmp_path_factory.mktemp("mtp")
+    module = random_module(target_cfg)
+    save_head(module, root / "ours", int8=False)
+    return {"ours": root / "ours", "module": module,
+            **{layout: write_layout(module, root / layout, layout) for layout in ("mimo", "deepseek", "qwen35")}}
+
+
+@pytest.mark.parametrize("layout", ["ours", "mimo", "deepseek", "qwen35"])
+def test_every_layout_reads_back_to_the_same_module(heads, target_cfg, layout):
+    head, has_lm_head = read_head(heads[layout], target_cfg, "tiny")
+    assert head.config.family == "mtp" and not has_lm_head and head.config.layers == (target_cfg.num_layers,)
+    want = heads["module"].state_dict()
+    for name, t in head.state_dict().items():
+        if not name.startswith("lm_head"):  # our file (int8=False) keeps bf16 (save_head)
+            expect = want[name].to(torch.bfloat16).float() if layout == "ours" else want[name]
+            torch.testing.assert_close(t, expect, rtol=0, atol=0, msg=f"{layout}: {name}")
+    assert torch.equal(head.d2t, heads["module"].d2t)
+
+
+def test_our_files_are_mimos_layout(heads):
+    from safetensors import safe_open
+
+    with safe_open(str(heads["ours"] / "model.safetensors"), "pt") as f:
+        keys = set(f.keys()) - {"d2t", "t2d"}
+    assert keys and all(k.startswith("model.mtp_layers.0.") for k in keys), sorted(keys)[:5]
+    for part in ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm", "self_attn.q_proj",
+                 "mlp.gate_proj", "input_layernorm", "post_attention_layernorm"):
+        assert any(k.startswith(f"model.mtp_layers.0.{part}.") for k in keys), part
+
+
+@pytest.fixture(scope="module")
+def llms(tiny_dirs, heads):
+    return {layout: LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=str(heads[layout]), progress=False)
+            for layout in ("ours", "deepseek")}
+
+
+@pytest.mark.parametrize("K", [1, 2, 4, 6])
+@pytest.mark.parametrize("layout", ["ours", "deepseek"])
+def test_greedy_identity(llms, layout, K):
+    llm = llms[layout]
+    for prompt in PROMPTS:
+        want = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        got = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="mtp",
+                           num_draft_tokens=K)
+        assert got.token_ids == want.token_ids, (layout, K, prompt)
+        assert got.stats["drafted_tokens"] > 0
+    with pytest.raises(VerispecError, match=r"method medusa needs a medusa head, but .* is a mtp head"):
+        llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=4), method="medusa")
+
+
+def test_training_raises_heldout_acceptance_far_above_the_untrained_module(tmp_path):
+    target, sigma = successor_target(tmp_path / "successor")
+    llm = LLM(target=str(target), dtype="float32", progress=False)
+    untrained = train_head(llm, "mtp", tmp_path / "untrained", 0, 16)
+    trained = train_head(llm, "mtp", tmp_path / "trained", 200, 16)
+    assert trained["heldout_acceptance"][0] > untrained["heldout_acceptance"][0] + 0.5, (untrained, trained)
+    drafted = LLM(target=str(target), dtype="float32", head=str(tmp_path / "trained"), progress=False).generate(
+        [5, 1], SamplingParams(max_new_tokens=24, ignore_eos=True), method="mtp", num_draft_tokens=3)
+    assert drafted.token_ids == llm.generate([5, 1], SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
+    assert drafted.stats["acceptance_rate"] > 0.5, drafted.stats
+
+
+# -- sampling: chi-square against the exact law, and a broken verifier that must fail --------------------------------
+
+@pytest.fixture(scope="module")
+def table_llm(model_dirs, tables, tmp_path_factory):
+    """The 16-token target as a table, with a random MTP module over 12 of the 16 tokens."""
+    real = LLM(target=str(model_dirs["target"]), dtype="float32", progress=False)
+    path = tmp_path_factory.mktemp("mtp16") / "random"
+    save_head(random_module(real.target.config, rows=list(range(12)), scale=0.3), path, int8=False)
+    return table_llm_with(model_dirs, tables, path)
+
+
+CASES = {"T1-K2": (2, dict(temperature=1.0)), "T0.8-top_k6-K2": (2, dict(temperature=0.8, top_k=6))}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_mtp_sampling_matches_exact_distribution(table_llm, tables, name):
+    check_law(table_llm, tables, name, *CASES[name], "mtp")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_negative_control_broken_verifier_fails(table_llm, tables, monkeypatch, name):
+    check_broken_verifier_fails(table_llm, tables, monkeypatch, *CASES[name], "mtp")
