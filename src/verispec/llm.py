@@ -66,7 +66,7 @@ class LLM:
     def __init__(self, target: str = DEFAULT_TARGET, draft: str | None = None, dtype: str = "auto",
                  device: str | None = None, threads: int | None = None, draft_quant: str | None = "int4",
                  draft_vocab: int | None = None, draft_vocab_table: str | None = None, weights: str = "auto",
-                 draft_weights: str = "dequantized", head: str | None = None, progress: bool = True):
+                 draft_weights: str = "dequantized", head: str | list[str] | None = None, progress: bool = True):
         self.engine_config = EngineConfig(dtype=dtype, device=device, threads=threads, draft_quant=draft_quant,
                                           draft_vocab=draft_vocab, draft_vocab_table=draft_vocab_table,
                                           weights=weights, draft_weights=draft_weights)
@@ -74,8 +74,11 @@ class LLM:
             torch.set_num_threads(threads)
         self.device = self.engine_config.resolved_device()
         self._draft_source = draft or DEFAULT_DRAFT.get(target)
-        self._head_source, self._head_given = head or DEFAULT_HEAD.get(target), head is not None
-        self.head: DraftHead | None = None
+        given = [head] if isinstance(head, (str, Path)) else list(head or [])
+        default = DEFAULT_HEAD.get(target)
+        self._head_sources = [str(h) for h in given] or ([default] if default else [])
+        self._head_given = bool(given)
+        self._heads: list[DraftHead] | None = None  # loaded on first use, in the order given
         ec = self.engine_config
         self.dtype = (auto_dtype(target, ec.weights, self.device, self._draft_source) if ec.dtype == "auto"
                       else getattr(torch, ec.dtype))
@@ -118,23 +121,33 @@ class LLM:
     def has_head(self) -> bool:
         """Whether a draft head was given (then it must load: a bad one is an error, not skipped) or ships for this
         target."""
-        return self.head is not None or self._head_given or (self._head_source is not None
-                                                               and Path(self._head_source).exists())
+        return self._head_given or any(Path(h).exists() for h in self._head_sources)
+
+    def draft_heads(self) -> list[DraftHead]:
+        """Every draft head (``head=``: one or a list, at most one a family; default: the one that ships for the default
+        target; any family heads/io.py reads), loaded and checked against the target on first use: the target's parts
+        it reads and, when the file has no LM head, the target's rows for its draft vocabulary; int8 on CPU."""
+        if self._heads is None:
+            heads = [load_head(h, self.target, self.device, self.dtype) for h in self._head_sources]
+            families = [h.config.family for h in heads]
+            twice = next((f for f in families if families.count(f) > 1), None)
+            if twice:
+                raise VerispecError(f"--head: two {twice} heads given; give at most one head of each family")
+            self._heads = heads
+        return self._heads
 
     def draft_head(self, method: str | None = None, family: str | None = None) -> DraftHead:
-        """The draft head (``head=`` or the one that ships for the default target; any family heads/io.py reads),
-        loaded and checked against the target on first use: the target's parts it reads and, when the file has no
-        LM head, the target's rows for the head's draft vocabulary; int8 matrices on CPU. ``method`` / ``family``:
-        the method asking and the family it drafts with (a head of another family is a one-line error)."""
-        if self.head is None:
-            if self._head_source is None:
-                raise VerispecError(f"method {method or 'eagle'} needs a draft head for this target: pass "
-                                    "LLM(head=DIR) or --head (verispec train-head makes one)")
-            self.head = load_head(self._head_source, self.target, self.device, self.dtype)
-        if family is not None and self.head.config.family != family:
-            raise VerispecError(f"method {method} needs a {family} head, but {self._head_source} is a "
-                                f"{self.head.config.family} head")
-        return self.head
+        """The head of ``family`` (None: the first given) for ``method``; a one-line error naming both when there is
+        none."""
+        if not self._head_sources:
+            raise VerispecError(f"method {method or 'eagle'} needs a draft head for this target: pass "
+                                "LLM(head=DIR) or --head (verispec train-head makes one)")
+        heads = self.draft_heads()
+        match = [h for h in heads if family is None or h.config.family == family]
+        if not match:
+            have = ", ".join(f"{src} is a {h.config.family} head" for src, h in zip(self._head_sources, heads))
+            raise VerispecError(f"method {method} needs a {family} head, but {have}")
+        return match[0]
 
     def with_draft_quant(self, draft_quant: str | None) -> LLM:
         """This LLM with its draft in another weight format (``draft_quant`` as in the constructor): target,

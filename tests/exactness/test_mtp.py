@@ -19,6 +19,7 @@ import torch
 from test_eagle import check_broken_verifier_fails, check_law, table_llm_with
 
 import test_speculative_distribution as base
+from eagle_helpers import random_head as random_eagle_head
 from eagle_helpers import successor_target, train_head
 from verispec import LLM, SamplingParams
 from verispec.errors import VerispecError
@@ -136,6 +137,25 @@ def test_greedy_identity(llms, layout, K):
         assert got.stats["drafted_tokens"] > 0
     with pytest.raises(VerispecError, match=r"method medusa needs a medusa head, but .* is a mtp head"):
         llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=4), method="medusa")
+
+
+def test_heads_of_several_families_serve_their_methods_and_auto(tiny_dirs, heads, target_cfg, tmp_path):
+    """--head given twice (an MTP module and an EAGLE-3 head): each method drafts with its family's, auto may choose
+    either, all exact; two heads of one family are one line."""
+    eagle = random_eagle_head(tmp_path / "eagle", target_cfg)
+    llm = LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=[str(heads["ours"]), str(eagle)], progress=False)
+    params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+    want = llm.generate(PROMPTS[1], params).token_ids
+    rounds = {}
+    for method in ("mtp", "eagle", "auto"):
+        out = llm.generate(PROMPTS[1], params, method=method, num_draft_tokens=3)
+        assert out.token_ids == want, method
+        rounds[method] = out.stats.get("drafter_rounds", {})
+    assert {h.config.family for h in llm.draft_heads()} == {"mtp", "eagle3"}
+    assert set(rounds["auto"]) <= {"ngram", "eagle", "mtp"}
+    with pytest.raises(VerispecError, match="two mtp heads given"):
+        LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=[str(heads["ours"]), str(heads["mimo"])],
+            progress=False).draft_head()
 
 
 def test_training_raises_heldout_acceptance_far_above_the_untrained_module(tmp_path):

@@ -33,10 +33,10 @@ def _auto(llm, spec) -> AutoDrafter:
     them); plain decoding is always an option too (drafters/auto.py). What it measures is kept by the LLM for the next
     request."""
     candidates = {"ngram": NgramDrafter(spec.ngram_min, spec.ngram_max)}
-    if llm.has_head:  # a head given, or one that ships for this target (a broken one is an error, not skipped)
-        head = llm.draft_head()
-        method, drafter = HEAD_METHODS[head.config.family]
-        candidates[method] = drafter(head)
+    if llm.has_head:  # heads given, or one that ships for this target (a broken one is an error, not skipped)
+        for head in llm.draft_heads():
+            method, drafter = HEAD_METHODS[head.config.family]
+            candidates[method] = drafter(head)
     try:
         candidates["draft"] = _draft_model(llm, spec)
     except VerispecError:
