@@ -16,14 +16,20 @@ def random_head(path: Path, target_cfg: ModelConfig, rows: list[int] | None = No
     """A random head for a target (its draft vocabulary: ``rows``, default all), saved without an LM head (the
     loader takes the target's rows)."""
     rows = list(range(target_cfg.vocab_size)) if rows is None else rows
-    head = Eagle3Head(Eagle3Config.for_target(target_cfg, None, len(rows)))
+    head = randomize(Eagle3Head(Eagle3Config.for_target(target_cfg, None, len(rows))), rows, seed, scale)
+    save_head(head, path, int8=False)
+    return path
+
+
+def randomize(head, rows: list[int], seed: int = 0, scale: float = 0.15):
+    """A head of any family with random weights (matrices N(0, scale), the rest 1 + N(0, 0.1)) and draft vocabulary
+    ``rows``; returned."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * scale if p.dim() == 2 else 1 + 0.1 * torch.randn(p.shape, generator=g))
     head.d2t = torch.tensor(sorted(rows))
-    save_head(head, path, int8=False)
-    return path
+    return head
 
 
 def successor_target(path: Path, n: int = 16, seed: int = 7) -> tuple[Path, list[int]]:

@@ -4,9 +4,7 @@ reads the Medusa authors' layout.
 Training: Medusa-1 on a target with a learnable next-next token (a successor function: a random target's is not
 learnable from one row) raises held-out acceptance far above the untrained head's (can fail).
 Greedy: method="medusa" gives token for token the AR output (float32 tiny target) for a random head and a head in the
-authors' layout (own LM head per head), K = 1..6 (capped at the head count). Sampling: the chi-square harness of
-test_speculative_distribution.py (the 16-token target as a table whose "hidden states" are the token embeddings:
-test_eagle.FeatureTable) with a random head over 12 of the 16 tokens, and a broken verifier that must fail. A head of
+authors' layout (own LM head per head), K = 1..6 (capped at the head count); sampling: test_head_laws.py. A head of
 the wrong family for the method, or the wrong shape for the target, is one line.
 """
 
@@ -18,9 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_eagle import check_broken_verifier_fails, check_law, table_llm_with
 
-import test_speculative_distribution as base
 from eagle_helpers import random_head as random_eagle_head
 from eagle_helpers import successor_target, train_head
 from verispec import LLM, SamplingParams
@@ -28,7 +24,6 @@ from verispec.cli import main
 from verispec.errors import VerispecError
 from verispec.heads import MedusaConfig, MedusaHead, read_head, save_head
 
-model_dirs, tables = base.model_dirs, base.tables
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
 NEW = 24
 
@@ -138,27 +133,3 @@ def test_a_head_of_the_wrong_family_or_shape_is_one_line(tiny_dirs, heads, tmp_p
     authors_head(narrow, dataclasses.replace(llm.target.config, hidden_size=32))
     with pytest.raises(VerispecError, match="does not fit target"):
         LLM(target=target, dtype="float32", head=str(narrow), progress=False).draft_head()
-
-
-# -- sampling: chi-square against the exact law, and a broken verifier that must fail --------------------------------
-
-@pytest.fixture(scope="module")
-def table_llm(model_dirs, tables, tmp_path_factory):
-    """The 16-token target as a table, with a random Medusa head over 12 of the 16 tokens."""
-    real = LLM(target=str(model_dirs["target"]), dtype="float32", progress=False)
-    path = random_head(tmp_path_factory.mktemp("medusa16") / "random", real.target.config, rows=list(range(12)),
-                       scale=0.5)
-    return table_llm_with(model_dirs, tables, path)
-
-
-CASES = {"T1-K2": (2, dict(temperature=1.0)), "T0.8-top_k6-K2": (2, dict(temperature=0.8, top_k=6))}
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_medusa_sampling_matches_exact_distribution(table_llm, tables, name):
-    check_law(table_llm, tables, name, *CASES[name], "medusa")
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_negative_control_broken_verifier_fails(table_llm, tables, monkeypatch, name):
-    check_broken_verifier_fails(table_llm, tables, monkeypatch, *CASES[name], "medusa")

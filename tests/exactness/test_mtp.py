@@ -3,8 +3,7 @@ its loader reads MiMo's, DeepSeek-V3's and Qwen3.5's namings of the module.
 
 Loaders: one module written in each layout (with trunk tensors and an LM-head copy around it, as a whole checkpoint
 holds them) reads back to the same weights; our own files are MiMo's layout. Greedy: method="mtp" gives token for
-token the AR output (float32 tiny target) for a random module, K = 1..6. Sampling: the chi-square harness of
-test_speculative_distribution.py (test_eagle.FeatureTable) with a random module, and a broken verifier that must fail.
+token the AR output (float32 tiny target) for a random module, K = 1..6 (sampling: test_head_laws.py).
 Training: the next-next-token objective on a successor-function target raises held-out acceptance far above the
 untrained module's (can fail). A module of the wrong family for the method is one line.
 """
@@ -16,16 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_eagle import check_broken_verifier_fails, check_law, table_llm_with
 
-import test_speculative_distribution as base
 from eagle_helpers import random_head as random_eagle_head
-from eagle_helpers import successor_target, train_head
+from eagle_helpers import randomize, successor_target, train_head
 from verispec import LLM, SamplingParams
 from verispec.errors import VerispecError
 from verispec.heads import MtpConfig, MtpHead, read_head, save_head
 
-model_dirs, tables = base.model_dirs, base.tables
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
 NEW = 24
 DEEPSEEK = {"token_layernorm.": "enorm.", "hidden_layernorm.": "hnorm.", "input_proj.": "eh_proj.",
@@ -36,14 +32,7 @@ QWEN35 = {"token_layernorm.": "pre_fc_norm_embedding.", "hidden_layernorm.": "pr
 
 def random_module(target_cfg, rows: list[int] | None = None, seed: int = 0, scale: float = 0.15) -> MtpHead:
     rows = list(range(target_cfg.vocab_size)) if rows is None else rows
-    head = MtpHead(MtpConfig.for_target(target_cfg, None, len(rows)))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * scale if p.dim() == 2 else 1 + 0.1 * torch.randn(p.shape,
-                                                                                                       generator=g))
-    head.d2t = torch.tensor(sorted(rows))
-    return head
+    return randomize(MtpHead(MtpConfig.for_target(target_cfg, None, len(rows))), rows, seed, scale)
 
 
 def write_layout(head: MtpHead, path: Path, layout: str) -> Path:
@@ -168,27 +157,3 @@ def test_training_raises_heldout_acceptance_far_above_the_untrained_module(tmp_p
         [5, 1], SamplingParams(max_new_tokens=24, ignore_eos=True), method="mtp", num_draft_tokens=3)
     assert drafted.token_ids == llm.generate([5, 1], SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
     assert drafted.stats["acceptance_rate"] > 0.5, drafted.stats
-
-
-# -- sampling: chi-square against the exact law, and a broken verifier that must fail --------------------------------
-
-@pytest.fixture(scope="module")
-def table_llm(model_dirs, tables, tmp_path_factory):
-    """The 16-token target as a table, with a random MTP module over 12 of the 16 tokens."""
-    real = LLM(target=str(model_dirs["target"]), dtype="float32", progress=False)
-    path = tmp_path_factory.mktemp("mtp16") / "random"
-    save_head(random_module(real.target.config, rows=list(range(12)), scale=0.3), path, int8=False)
-    return table_llm_with(model_dirs, tables, path)
-
-
-CASES = {"T1-K2": (2, dict(temperature=1.0)), "T0.8-top_k6-K2": (2, dict(temperature=0.8, top_k=6))}
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_mtp_sampling_matches_exact_distribution(table_llm, tables, name):
-    check_law(table_llm, tables, name, *CASES[name], "mtp")
-
-
-@pytest.mark.parametrize("name", list(CASES))
-def test_negative_control_broken_verifier_fails(table_llm, tables, monkeypatch, name):
-    check_broken_verifier_fails(table_llm, tables, monkeypatch, *CASES[name], "mtp")

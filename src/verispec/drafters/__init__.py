@@ -8,12 +8,13 @@ from ..errors import ConfigError, VerispecError
 from .auto import AutoDrafter
 from .base import Draft, Drafter, DraftRequest
 from .draft_model import DraftModelDrafter
-from .head import HeadDrafter, MtpDrafter
+from .head import HeadDrafter, MtpDrafter, PEagleDrafter
 from .medusa import MedusaDrafter
 from .ngram import NgramDrafter, NgramIndex
 
 # a draft head's family -> (the method that drafts with it, its drafter)
-HEAD_METHODS = {"eagle3": ("eagle", HeadDrafter), "medusa": ("medusa", MedusaDrafter), "mtp": ("mtp", MtpDrafter)}
+HEAD_METHODS = {"eagle3": ("eagle", HeadDrafter), "peagle": ("peagle", PEagleDrafter),
+                "medusa": ("medusa", MedusaDrafter), "mtp": ("mtp", MtpDrafter)}
 
 
 def _head(family: str):
@@ -61,4 +62,4 @@ def check_method(method: str) -> None:
 
 
 __all__ = ["AR", "check_method", "AutoDrafter", "Draft", "Drafter", "DraftRequest", "DraftModelDrafter", "HEAD_METHODS",
-           "HeadDrafter", "MedusaDrafter", "MtpDrafter", "METHODS", "NgramDrafter", "NgramIndex"]
+           "HeadDrafter", "MedusaDrafter", "MtpDrafter", "PEagleDrafter", "METHODS", "NgramDrafter", "NgramIndex"]

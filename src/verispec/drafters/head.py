@@ -1,5 +1,5 @@
-"""A chained draft head (heads/: EAGLE-3, an MTP module) drafts from the target's own hidden states; methods "eagle"
-and "mtp".
+"""A draft head with its own KV cache (heads/: EAGLE-3, P-EAGLE, an MTP module) drafts from the target's own hidden
+states; methods "eagle", "peagle" and "mtp".
 
 The engine hands over the target's features of every committed position (``feature_layers`` asks for them; see
 DraftRequest.features). Each round the head first catches up on the committed positions it has not read (the
@@ -51,19 +51,25 @@ class HeadDrafter(Drafter):
         hidden = head.catch_up(rows, tokens, self.cache)  # [1, 1, D]
         self.catch_up = (n - self.fed, time.perf_counter() - t0)
         self.fed = n
-        # 2. draft: K tokens in a chain on the head's own hidden states
-        tokens_out, probs_out = [], []
-        chain = chain_of(request)
-        for i in range(K):
+        # 2. draft: K tokens (the chain on the head's own hidden states, or the family's way)
+        tokens_out, probs_out, chain = [], [], chain_of(request)
+        for hidden in self.hiddens(hidden, K):
             logits = self._target_logits(hidden, request)  # [1, V]
-            token, probs = draw(logits, Prefix(ctx, tokens_out), chain, request.generator)  # [1], q [1, V] or None
-            tokens_out.append(token)
+            token, probs = draw(logits, Prefix(ctx, tokens_out), chain, request.generator)
+            tokens_out.append(token)  # [1]; probs: q [1, V] or None (greedy)
             if probs is not None:
                 probs_out.append(probs)
-            if i + 1 < K:
-                hidden = head.step(hidden, token[:, None], self.cache)  # [1, 1, D]
+            self.last_token = token
         draft_probs = torch.stack(probs_out, dim=1) if probs_out else None  # [1, K, V] or None (greedy)
         return Draft(torch.stack(tokens_out, dim=1), draft_probs)
+
+    def hiddens(self, hidden: torch.Tensor, K: int):
+        """Yield the K hidden states [1, 1, D] the drafts are drawn from: the catch-up's, then each step's on the
+        token just drawn (``last_token``)."""
+        for i in range(K):
+            yield hidden
+            if i + 1 < K:
+                hidden = self.head.step(hidden, self.last_token[:, None], self.cache)  # [1, 1, D]
 
     def _target_logits(self, hidden: torch.Tensor, request: DraftRequest) -> torch.Tensor:
         """The head's logits over its draft vocabulary [1, Vd] placed at their target ids: [1, V], -inf elsewhere."""
@@ -73,6 +79,20 @@ class HeadDrafter(Drafter):
 
     def update(self, num_accepted: int) -> None:
         pass  # the chain's rows are dropped at the next catch-up (truncate to the committed rows)
+
+
+class PEagleDrafter(HeadDrafter):
+    """A P-EAGLE head (heads/peagle.py): the first draft from the catch-up's row, the other K-1 from one pass of mask
+    rows (each q independent of the drafts before it: any q keeps the verifier exact)."""
+
+    name = "peagle"
+
+    def hiddens(self, hidden: torch.Tensor, K: int):
+        yield hidden
+        if K > 1:
+            rows = self.head.parallel(K - 1, self.cache)  # [1, K-1, D]
+            for i in range(K - 1):
+                yield rows[:, i:i + 1]
 
 
 class MtpDrafter(HeadDrafter):

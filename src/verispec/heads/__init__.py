@@ -7,6 +7,7 @@ from .eagle3 import Eagle3Config, Eagle3Head
 from .io import FAMILIES, load_head, read_head, save_head
 from .medusa import MedusaConfig, MedusaHead
 from .mtp import MtpConfig, MtpHead
+from .peagle import PEagleConfig, PEagleHead
 
-__all__ = ["FAMILIES", "DraftHead", "Eagle3Config", "Eagle3Head", "HeadConfig", "MedusaConfig", "MedusaHead", "MtpConfig", "MtpHead", "load_head",
+__all__ = ["FAMILIES", "DraftHead", "Eagle3Config", "Eagle3Head", "HeadConfig", "MedusaConfig", "MedusaHead", "MtpConfig", "MtpHead", "PEagleConfig", "PEagleHead", "load_head",
            "read_head", "save_head", "to_target_vocab"]

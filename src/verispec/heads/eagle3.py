@@ -166,6 +166,11 @@ class Eagle3Head(DraftHead):
         """features [B, T, nD] -> fc(features) [B, T, D]."""
         return self.fc(features)
 
+    def step_inputs(self, j: int, emb: torch.Tensor, hidden: torch.Tensor):
+        """What chain step ``j`` reads (training's unroll): the next token's embedding and the previous step's hidden
+        state [B, T, D] each (P-EAGLE: learned mask inputs from step 1 on)."""
+        return emb, hidden
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, D] -> draft-vocabulary logits [B, T, Vd] float32."""
         return self.lm_head(self.norm(hidden)).float()

@@ -21,13 +21,15 @@ from .base import DraftHead
 from .eagle3 import Eagle3Head
 from .medusa import MedusaHead
 from .mtp import MtpHead
+from .peagle import PEagleHead
 
 if TYPE_CHECKING:
     from ..models.loader import LoadedModel
 
 HEAD_FILE = "model.safetensors"
 DEFAULT_FAMILY = "eagle3"  # files without "family": every published EAGLE-3 head, and ours before the field
-FAMILIES: dict[str, type[DraftHead]] = {"eagle3": Eagle3Head, "medusa": MedusaHead, "mtp": MtpHead}
+FAMILIES: dict[str, type[DraftHead]] = {"eagle3": Eagle3Head, "peagle": PEagleHead, "medusa": MedusaHead,
+                                        "mtp": MtpHead}
 # a published config.json without "family": the key that names its family (MTP: DeepSeek-V3 / MiMo, Qwen3.5)
 PUBLISHED = (("medusa_num_heads", "medusa"), ("num_nextn_predict_layers", "mtp"), ("mtp_num_hidden_layers", "mtp"))
 

@@ -133,6 +133,8 @@ def run_train(args) -> int:
         if not Path(args.init).is_dir():
             raise VerispecError(f"--init {args.init}: not 'target', 'random' or a head directory")
         start, start_has_lm_head = read_head(args.init, llm.target.config, str(llm.target.source))
+        if start.config.family != recipe.head.Config.family and issubclass(recipe.head, type(start)):
+            start = extend(start, recipe.head)  # P-EAGLE from an EAGLE-3 head: its weights, new parts at their start
         if start.config.family != recipe.head.Config.family:
             raise VerispecError(f"--init {args.init}: a {start.config.family} head, but --arch is {args.arch}")
         if args.layers is not None and tuple(args.layers) != tuple(start.config.layers):
@@ -196,3 +198,14 @@ def run_train(args) -> int:
         torch.distributed.destroy_process_group()
     return 0
 
+
+def extend(head, cls):
+    """A head of family ``cls``, a subclass of ``head``'s (P-EAGLE of EAGLE-3), with ``head``'s weights and draft
+    vocabulary; the parts only ``cls`` has keep their initial values (P-EAGLE's mask inputs: zero)."""
+    from dataclasses import asdict
+
+    out = cls(cls.Config(**asdict(head.config)))
+    missing, unexpected = out.load_state_dict(head.state_dict(), strict=False)
+    assert not unexpected, unexpected
+    out.d2t = head.d2t
+    return out

@@ -4,6 +4,7 @@ file here and one entry below."""
 from . import eagle3, medusa, mtp
 from .base import Labels, Recipe
 
-RECIPES: dict[str, Recipe] = {"eagle3": eagle3.RECIPE, "medusa": medusa.RECIPE, "mtp": mtp.RECIPE}
+RECIPES: dict[str, Recipe] = {"eagle3": eagle3.RECIPE, "peagle": eagle3.PEAGLE, "medusa": medusa.RECIPE,
+                              "mtp": mtp.RECIPE}
 
 __all__ = ["RECIPES", "Labels", "Recipe"]

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...heads.eagle3 import Eagle3Head
+from ...heads.peagle import PEagleHead
 from ...models.llama import MASKED
 from .base import Labels, Recipe, start
 
@@ -70,7 +71,8 @@ def unroll(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, steps
     for j in range(steps):
         positions = torch.arange(j, T + j, device=features.device)[None].expand(B, T)
         cos, sin = head.rope(positions, hidden.dtype)
-        x = m.inputs(head.embed(next_tokens[:, j:j + T]).to(hidden.dtype), hidden)  # [B, T, 2D]
+        emb, hidden = head.step_inputs(j, head.embed(next_tokens[:, j:j + T]).to(hidden.dtype), hidden)
+        x = m.inputs(emb, hidden)  # [B, T, 2D]
         q, k, v = a.qkv(x, cos, sin)  # [B, H, T, hd], [B, Hkv, T, hd]
         keys.append((k, v))
         qg = q.view(B, a.hkv, G, T, a.hd)
@@ -108,3 +110,6 @@ def chain_loss(model: nn.Module, batch: dict, labels: Labels, steps: int):
 
 
 RECIPE = Recipe(head=Eagle3Head, init=init, unroll=unroll, loss=chain_loss)
+# P-EAGLE (heads/peagle.py): the same recipe; its head's steps 1.. read the learned mask inputs (step_inputs), which
+# random_init starts at zero and training learns
+PEAGLE = Recipe(head=PEagleHead, init=init, unroll=unroll, loss=chain_loss)

@@ -1,0 +1,60 @@
+"""The P-EAGLE head (heads/peagle.py, drafters/head.py's PEagleDrafter: drafts 2..K from one pass of mask rows)
+keeps the output exactly the target's.
+
+Greedy: method="peagle" gives token for token the AR output (float32 tiny target) for a random head, K = 1..6
+(sampling: test_head_laws.py). Training: EAGLE-3's unroll with mask inputs from step 1 on, on a successor-function target,
+raises held-out acceptance at every position far above the untrained head's (can fail). A head of another family
+for the method is one line.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from eagle_helpers import randomize, successor_target, train_head
+from verispec import LLM, SamplingParams
+from verispec.errors import VerispecError
+from verispec.heads import PEagleConfig, PEagleHead, save_head
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
+NEW = 24
+
+
+def random_peagle(path, target_cfg, rows=None, seed: int = 0, scale: float = 0.15):
+    rows = list(range(target_cfg.vocab_size)) if rows is None else rows
+    save_head(randomize(PEagleHead(PEagleConfig.for_target(target_cfg, None, len(rows))), rows, seed, scale), path,
+              int8=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_dirs, tmp_path_factory):
+    cfg = LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", progress=False).target.config
+    path = random_peagle(tmp_path_factory.mktemp("peagle") / "random", cfg)
+    return LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=str(path), progress=False)
+
+
+@pytest.mark.parametrize("K", [1, 2, 4, 6])
+def test_greedy_identity(llm, K):
+    for prompt in PROMPTS:
+        want = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        got = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="peagle",
+                           num_draft_tokens=K)
+        assert got.token_ids == want.token_ids, (K, prompt)
+        assert got.stats["drafted_tokens"] > 0
+    with pytest.raises(VerispecError, match=r"method eagle needs a eagle3 head, but .* is a peagle head"):
+        llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=4), method="eagle")
+
+
+def test_training_raises_heldout_acceptance_far_above_the_untrained_head(tmp_path):
+    target, _ = successor_target(tmp_path / "successor")
+    llm = LLM(target=str(target), dtype="float32", progress=False)
+    untrained = train_head(llm, "peagle", tmp_path / "untrained", 0, 16)
+    trained = train_head(llm, "peagle", tmp_path / "trained", 300, 16)
+    assert len(trained["heldout_acceptance"]) == 3  # the unroll's 3 steps: the real row, then two mask rows
+    for pos in range(3):
+        assert trained["heldout_acceptance"][pos] > untrained["heldout_acceptance"][pos] + 0.4, (untrained, trained)
+    drafted = LLM(target=str(target), dtype="float32", head=str(tmp_path / "trained"), progress=False).generate(
+        [5, 1], SamplingParams(max_new_tokens=24, ignore_eos=True), method="peagle", num_draft_tokens=3)
+    assert drafted.token_ids == llm.generate([5, 1], SamplingParams(max_new_tokens=24, ignore_eos=True)).token_ids
+    assert drafted.stats["acceptance_rate"] > 0.5, drafted.stats
