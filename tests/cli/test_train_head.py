@@ -144,6 +144,12 @@ def test_init_from_a_trained_head_continues_to_lower_its_heldout_loss(target, co
         assert main(args(target, corpus, tmp_path / f"k{kept}", features, 1, "--init", str(tmp_path / "odd"),
                          *flags)) == 0
         assert torch.equal(checkpoint(tmp_path / f"k{kept}")["d2t"], head.d2t) == kept
+    # P-EAGLE from an EAGLE-3 head: its weights and draft tokens, the mask inputs new
+    assert main(args(target, corpus, tmp_path / "p", features, 1, "--arch", "peagle", "--init",
+                     str(tmp_path / "a"))) == 0
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["family"] == "peagle"
+    head_a, head_p = checkpoint(tmp_path / "a")["head"], checkpoint(tmp_path / "p")["head"]
+    assert set(head_p) - set(head_a) == {"mask_hidden", "mask_embed"}
     capsys.readouterr()
     assert main(args(target, corpus, tmp_path / "c", features, 1, "--keep-draft-vocab")) == 2
     assert "only with --init HEAD_DIR" in capsys.readouterr().err
