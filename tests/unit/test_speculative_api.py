@@ -178,9 +178,9 @@ def test_draft_method_without_a_draft(dirs):
 
 def test_unknown_method_lists_methods(llm):
     with pytest.raises(ConfigError) as ei:
-        llm.generate("Hi", SamplingParams(max_new_tokens=4), method="medusa")
+        llm.generate("Hi", SamplingParams(max_new_tokens=4), method="lookahead")
     msg = str(ei.value)
-    assert "medusa" in msg and "ar" in msg and "draft" in msg
+    assert "lookahead" in msg and all(m in msg for m in ("ar", "draft", "eagle", "peagle", "medusa", "mtp"))
 
 
 # ---------------------------------------------------------------------------------------------
