@@ -27,22 +27,26 @@ CASES = {  # name: (method, draft model, K, SamplingParams fields, speculative o
     "ngram-T1-K2": ("ngram", "near", 2, dict(temperature=1.0), {}),
     "ngram-top_p0.8-K2": ("ngram", "near", 2, dict(temperature=1.0, top_p=0.8), {}),
     "auto-T0.7-top_k5-K2": ("auto", "near", 2, dict(temperature=0.7, top_k=5), {}),
+    # seeded samples under auto: one delegate, the fixed K (drafters/auto.py), its own path
+    "auto_seeded-T0.7-top_k5-K2": ("auto", "near", 2, dict(temperature=0.7, top_k=5), {}),
     "adaptive_draft-T1-K2": ("draft", "other", 2, dict(temperature=1.0), dict(adaptive=True)),
     # adaptive n-gram: drafts cut per match length (drafters/auto.py with one drafter)
     "adaptive_ngram-T1-K2": ("ngram", "near", 2, dict(temperature=1.0), dict(adaptive=True)),
 }
 model_dirs, tables = base.model_dirs, base.tables  # the same fixtures: tiny models and their logit tables
 NEGATIVE = [("ngram-T1-K2", "always_accept"), ("auto-T0.7-top_k5-K2", "recover_from_p"),
+            ("auto_seeded-T0.7-top_k5-K2", "always_accept"),
             ("adaptive_draft-T1-K2", "always_accept"), ("adaptive_ngram-T1-K2", "always_accept")]
 
 
-def draw(llm, method: str, K: int, params: SamplingParams, n: int, opts: dict, first_seed: int = 0):
+def draw(llm, method: str, K: int, params: SamplingParams, n: int, opts: dict, first_seed: int = 0,
+         seeded: bool | None = None):
     counts = np.zeros((V, V, V), dtype=np.int64)
     drafted = accepted = 0
     used: dict[str, int] = {}
     # auto's draws (adaptive n-gram's too) are unseeded, so that its rounds mix drafters and cut drafts: a seeded
     # sample under auto drafts its fixed K with one delegate (drafters/auto.py)
-    unseeded = method == "auto" or opts.get("adaptive", False)
+    unseeded = (method == "auto" or opts.get("adaptive", False)) if seeded is None else not seeded
     torch.manual_seed(first_seed)
     for seed in range(first_seed, first_seed + n):
         out = llm.generate(PROMPT, dataclasses.replace(params, max_new_tokens=K + 2,
@@ -88,10 +92,13 @@ def test_sampling_matches_exact_distribution(table_llms, tables, monkeypatch, na
     method, draft, K, kw, opts = CASES[name]
     params = SamplingParams(**kw)
     try_short_matches(monkeypatch, table_llms[CASES[name][1]])
-    counts, drafted_per_run, acceptance, used = draw(table_llms[draft], method, K, params, N, opts)
+    seeded = "seeded" in name or None
+    counts, drafted_per_run, acceptance, used = draw(table_llms[draft], method, K, params, N, opts, seeded=seeded)
     assert drafted_per_run > 1.0, f"{name}: too few drafts ({drafted_per_run:.2f} per run) to test anything"
     assert 0.01 < acceptance < 0.98, f"{name}: acceptance {acceptance:.3f}"  # >= ~400 accepted drafts
-    if method == "auto":
+    if method == "auto" and seeded:
+        assert set(used) == {"draft"}, used  # the one delegate
+    elif method == "auto":
         # how often each wins follows their measured costs (timing): a share of the rounds, not half
         assert min(used.values()) > 0.01 * N and set(used) == {"ngram", "draft"}, used
     p = chi2_pvalue(counts, exact_joint(tables, params))
@@ -104,6 +111,6 @@ def test_negative_control_broken_verifier_fails(table_llms, tables, monkeypatch,
     params = SamplingParams(**kw)
     try_short_matches(monkeypatch, table_llms[CASES[name][1]])
     monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify(bug))
-    counts, *_ = draw(table_llms[draft], method, K, params, N_NEG, opts)
+    counts, *_ = draw(table_llms[draft], method, K, params, N_NEG, opts, seeded="seeded" in name or None)
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p < ALPHA, f"negative control {name}/{bug} not detected: p = {p:.3g}"
