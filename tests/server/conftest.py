@@ -82,3 +82,16 @@ def metric(text: str, name: str, **labels) -> float:
         if m and m[1] == name and dict(re.findall(r'(\w+)="([^"]*)"', m[2] or "")) == want:
             return float(m[3])
     raise KeyError(f"{name}{labels} not on the page")
+
+
+@contextmanager
+def slow_server(llm, seats: int, waiting: int):
+    """A server of ``seats`` running and ``waiting`` queued requests whose engine steps take 50 ms; yields (url,
+    runner, aborted request ids)."""
+    app = create_app(llm, MODEL, method="ar", max_num_seqs=seats, kv_cache_tokens=1024, max_waiting=waiting)
+    runner, aborted = app.state.runner, []
+    step, abort = runner.engine.step, runner.engine.abort
+    runner.engine.step = lambda: (time.sleep(0.05), step())[1]
+    runner.engine.abort = lambda rid: (aborted.append(rid), abort(rid))[1]
+    with live(app) as url:
+        yield url, runner, aborted

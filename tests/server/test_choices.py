@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from conftest import API_KEY, MODEL, live, metric
+from conftest import slow_server as slow_server_of
 from verispec import SamplingParams
 from verispec.server import create_app
 
@@ -208,13 +209,8 @@ def test_the_official_client_gets_a_bad_request(client):
 def slow_server(llm):
     """Two seats and one queued: three choices in flight at most; engine steps take 50 ms. Yields (url, runner,
     aborted ids)."""
-    app = create_app(llm, MODEL, method="ar", max_num_seqs=2, kv_cache_tokens=1024, max_waiting=1)
-    runner, aborted = app.state.runner, []
-    step, abort = runner.engine.step, runner.engine.abort
-    runner.engine.step = lambda: (time.sleep(0.05), step())[1]
-    runner.engine.abort = lambda rid: (aborted.append(rid), abort(rid))[1]
-    with live(app) as url:
-        yield url, runner, aborted
+    with slow_server_of(llm, 2, 1) as server:
+        yield server
 
 
 def test_every_choice_takes_a_seat(slow_server):

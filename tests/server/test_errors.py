@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from conftest import API_KEY, MODEL, live, metric
+from conftest import slow_server as slow_server_of
 from verispec.server import create_app
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -127,13 +128,8 @@ def test_the_cache_bounds_a_request(llm):
 @pytest.fixture
 def slow_server(llm):
     """A server with one seat and no queue whose engine steps take 50 ms; yields (url, runner, aborted ids)."""
-    app = create_app(llm, MODEL, method="ar", max_num_seqs=1, kv_cache_tokens=1024, max_waiting=0)
-    runner, aborted = app.state.runner, []
-    step, abort = runner.engine.step, runner.engine.abort
-    runner.engine.step = lambda: (time.sleep(0.05), step())[1]
-    runner.engine.abort = lambda rid: (aborted.append(rid), abort(rid))[1]
-    with live(app) as url:
-        yield url, runner, aborted
+    with slow_server_of(llm, 1, 0) as server:
+        yield server
 
 
 def wait_until_idle(url, runner, seconds=10.0):
