@@ -241,6 +241,16 @@ CASES = {"random-T1-K2": ("random", 2, dict(temperature=1.0)),
          "trained-T0.8-top_k6-K2": ("trained", 2, dict(temperature=0.8, top_k=6))}
 
 
+def check_greedy_identity(llm, method: str, K: int, prompts=PROMPTS, new: int = NEW) -> None:
+    """``method`` at K gives token for token the AR output on every prompt, having drafted."""
+    for prompt in prompts:
+        want = llm.generate(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
+        got = llm.generate(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), method=method,
+                           num_draft_tokens=K)
+        assert got.token_ids == want.token_ids, (method, K, prompt)
+        assert got.stats["drafted_tokens"] > 0
+
+
 def check_law(llm, tables, name: str, K: int, kw: dict, method: str = "eagle") -> None:
     """N seeded draws of 3 tokens match the exact AR law (chi-square), with acceptance neither ~0 nor ~1."""
     params = SamplingParams(**kw)

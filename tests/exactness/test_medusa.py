@@ -18,14 +18,13 @@ import pytest
 import torch
 
 from eagle_helpers import random_head as random_eagle_head
+from test_eagle import check_greedy_identity
 from eagle_helpers import successor_target, train_head
 from verispec import LLM, SamplingParams
 from verispec.cli import main
 from verispec.errors import VerispecError
 from verispec.heads import MedusaConfig, MedusaHead, read_head, save_head
 
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
-NEW = 24
 
 
 def random_head(path: Path, target_cfg, rows: list[int] | None = None, seed: int = 0, scale: float = 0.3,
@@ -94,14 +93,7 @@ def llms(tiny_dirs, heads):
 @pytest.mark.parametrize("K", [1, 2, 4, 6])
 @pytest.mark.parametrize("name", ["random", "authors"])
 def test_greedy_identity(llms, name, K):
-    llm = llms[name]
-    for prompt in PROMPTS:
-        want = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        got = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="medusa",
-                           num_draft_tokens=K)
-        assert got.token_ids == want.token_ids, (name, K, prompt)
-        s = got.stats
-        assert s["drafted_tokens"] > 0 and max(len(r) for r in [s["per_position_reached"]]) <= max(K, 1)
+    check_greedy_identity(llms[name], "medusa", K)
 
 
 def test_the_authors_layout_is_read_as_published(tiny_dirs, heads):

@@ -17,13 +17,12 @@ import pytest
 import torch
 
 from eagle_helpers import random_head as random_eagle_head
+from test_eagle import NEW, PROMPTS, check_greedy_identity
 from eagle_helpers import randomize, successor_target, train_head
 from verispec import LLM, SamplingParams
 from verispec.errors import VerispecError
 from verispec.heads import MtpConfig, MtpHead, read_head, save_head
 
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
-NEW = 24
 DEEPSEEK = {"token_layernorm.": "enorm.", "hidden_layernorm.": "hnorm.", "input_proj.": "eh_proj.",
             "final_layernorm.": "shared_head.norm."}
 QWEN35 = {"token_layernorm.": "pre_fc_norm_embedding.", "hidden_layernorm.": "pre_fc_norm_hidden.",
@@ -118,12 +117,7 @@ def llms(tiny_dirs, heads):
 @pytest.mark.parametrize("layout", ["ours", "deepseek"])
 def test_greedy_identity(llms, layout, K):
     llm = llms[layout]
-    for prompt in PROMPTS:
-        want = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        got = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="mtp",
-                           num_draft_tokens=K)
-        assert got.token_ids == want.token_ids, (layout, K, prompt)
-        assert got.stats["drafted_tokens"] > 0
+    check_greedy_identity(llm, "mtp", K)
     with pytest.raises(VerispecError, match=r"method medusa needs a medusa head, but .* is a mtp head"):
         llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=4), method="medusa")
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 
 from eagle_helpers import randomize, successor_target, train_head
+from test_eagle import check_greedy_identity
 from verispec import LLM, SamplingParams
 from verispec.errors import VerispecError
 from verispec.heads import PEagleConfig, PEagleHead, save_head
 
-PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8], list(b"Hello, world. Hello, world!")]
-NEW = 24
 
 
 def random_peagle(path, target_cfg, rows=None, seed: int = 0, scale: float = 0.15):
@@ -36,14 +35,9 @@ def llm(tiny_dirs, tmp_path_factory):
 
 @pytest.mark.parametrize("K", [1, 2, 4, 6])
 def test_greedy_identity(llm, K):
-    for prompt in PROMPTS:
-        want = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
-        got = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="peagle",
-                           num_draft_tokens=K)
-        assert got.token_ids == want.token_ids, (K, prompt)
-        assert got.stats["drafted_tokens"] > 0
+    check_greedy_identity(llm, "peagle", K)
     with pytest.raises(VerispecError, match=r"method eagle needs a eagle3 head, but .* is a peagle head"):
-        llm.generate(PROMPTS[0], SamplingParams(max_new_tokens=4), method="eagle")
+        llm.generate([1, 2, 3], SamplingParams(max_new_tokens=4), method="eagle")
 
 
 def test_training_raises_heldout_acceptance_far_above_the_untrained_head(tmp_path):
