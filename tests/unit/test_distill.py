@@ -163,6 +163,12 @@ def test_distill_with_features_writes_shards_train_head_trains_on(llm, tiny_dirs
                  str(out), "--steps", "2", "--draft-vocab", "64", "--threads", "1", "--no-progress"]) == 0
     err = capsys.readouterr().err
     assert "extracted" not in err and (out / "config.json").exists()
+    D = llm.target.config.hidden_size  # one capture serves heads of other layers: a layer's block of it
+    assert torch.equal(load_split(tmp_path / "f", "train", (1,), 2)["features"], train["features"][..., D:])
     assert main(["train-head", "--target", str(tiny_dirs["qwen2"]), "--features", str(tmp_path / "f"), "--out",
-                 str(out), "--layers", "1", "--steps", "2", "--no-progress"]) == 2
-    assert "holds layers 1,2" in capsys.readouterr().err
+                 str(tmp_path / "medusa"), "--arch", "medusa", "--steps", "2", "--draft-vocab", "64", "--threads",
+                 "1", "--no-progress"]) == 0  # reads the last layer (2) of the two kept
+    assert json.loads((tmp_path / "medusa" / "config.json").read_text())["medusa_feature_layers"] == [2]
+    assert main(["train-head", "--target", str(tiny_dirs["qwen2"]), "--features", str(tmp_path / "f"), "--out",
+                 str(out), "--layers", "0", "--steps", "2", "--no-progress"]) == 2
+    assert "holds layers 1,2, not 0" in capsys.readouterr().err

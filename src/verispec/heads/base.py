@@ -44,6 +44,11 @@ class HeadConfig:
         """A head of this family for the target ``cfg`` (layers None: the family's default)."""
         raise NotImplementedError
 
+    @staticmethod
+    def default_layers(num_layers: int) -> tuple[int, ...]:
+        """The target residual streams the family reads by default: the last (Medusa, MTP)."""
+        return (num_layers,)
+
     @classmethod
     def from_json(cls, raw: dict, target_cfg: ModelConfig) -> HeadConfig:
         """From config.json (ours or the family's published layout); KeyError / ValueError / TypeError if unreadable."""

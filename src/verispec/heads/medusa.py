@@ -50,7 +50,7 @@ class MedusaConfig(HeadConfig):
     @classmethod
     def for_target(cls, cfg: ModelConfig, layers: tuple[int, ...] | None, draft_vocab_size: int,
                    num_heads: int = DEFAULT_HEADS) -> MedusaConfig:
-        layers = tuple(layers) if layers else (cfg.num_layers,)
+        layers = tuple(layers) if layers else cls.default_layers(cfg.num_layers)
         check_layers(layers, cfg.num_layers)
         if len(layers) != 1:
             raise VerispecError(f"--layers: a Medusa head reads one layer (the last, {cfg.num_layers}), got "

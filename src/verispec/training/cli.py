@@ -141,14 +141,19 @@ def run_train(args) -> int:
             raise VerispecError(f"--layers {','.join(map(str, args.layers))}: the head in {args.init} reads layers "
                                 f"{','.join(map(str, start.config.layers))}")
         args.layers, args.draft_vocab = tuple(start.config.layers), start.config.draft_vocab_size
-    if capture is not None:  # captured while generating: trained on as they are
+    pick, stored = None, 1  # which of the captured layers the head reads (all of them: None), of how many
+    if capture is not None:  # captured while generating: trained on as they are, or on some of their layers
         kept = tuple(capture["layers"])
-        if args.layers is not None and tuple(args.layers) != kept:
-            raise VerispecError(f"--features {features} holds layers {','.join(map(str, kept))}, not "
-                                f"{','.join(map(str, args.layers))}")
         if capture["hidden_size"] != llm.target.config.hidden_size:
             raise VerispecError(f"--features {features} was captured from another target ({capture['target']})")
-        args.layers = kept
+        wanted = args.layers or recipe.head.Config.default_layers(llm.target.config.num_layers)
+        if args.layers is None and not set(wanted) <= set(kept):
+            wanted = kept
+        if not set(wanted) <= set(kept):
+            raise VerispecError(f"--features {features} holds layers {','.join(map(str, kept))}, not "
+                                f"{','.join(map(str, wanted))}")
+        args.layers = tuple(wanted)
+        pick, stored = None if args.layers == kept else tuple(kept.index(i) for i in args.layers), len(kept)
     layers = recipe.head.Config.for_target(llm.target.config, args.layers, 1).layers  # checks the layer numbers
     report = {} if capture is not None else extract(
         llm, args.data, features, layers, args.seq_len, args.extract_tokens, args.heldout_tokens, args.topk,
@@ -165,7 +170,7 @@ def run_train(args) -> int:
 
     # 2. the head, on the target's dense weights (embedding, LM head rows, last layer for the initial values)
     target = load(args.target, torch.bfloat16, "cpu", progress=False, weights="dequantized")
-    train, heldout = load_split(features, "train"), load_split(features, "heldout")
+    train, heldout = load_split(features, "train", pick, stored), load_split(features, "heldout", pick, stored)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
     if start is not None:  # its weights as they are
         head = start

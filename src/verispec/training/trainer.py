@@ -42,14 +42,19 @@ class TrainConfig:
     warmup: int = 50
 
 
-def load_split(features_dir: Path, split: str) -> dict[str, torch.Tensor]:
-    """Every shard of one split, stacked: tokens [N, T], features [N, T, F], topk_ids / topk_logp [N, T, k]."""
+def load_split(features_dir: Path, split: str, pick: tuple[int, ...] | None = None,
+               stored: int = 1) -> dict[str, torch.Tensor]:
+    """Every shard of one split, stacked: tokens [N, T], features [N, T, F], topk_ids / topk_logp [N, T, k].
+    ``pick``: keep only these of the ``stored`` layers (features are ``stored`` blocks of D, one a layer)."""
     from safetensors.torch import load_file
 
     files = shards(features_dir, split)
     if not files:
         raise VerispecError(f"{features_dir}: no {split} features (run the extraction first)")
     parts = [load_file(str(f)) for f in files]
+    if pick is not None:
+        for p in parts:  # [n, T, stored D] -> [n, T, len(pick) D]
+            p["features"] = p["features"].unflatten(-1, (stored, -1))[..., list(pick), :].flatten(-2)
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
