@@ -269,6 +269,20 @@ def test_error_unknown_arch(target, corpus, tmp_path, capsys):
     assert "--arch" in line and "eagle3" in line, line
 
 
+def test_head_layers(target, corpus, features, tmp_path, capsys):
+    """--head-layers: a deeper P-EAGLE head (its layers after the first are extra.*), one line for an MTP module
+    (one layer) or for a depth other than the --init head's."""
+    assert main(args(target, corpus, tmp_path / "deep", features, 1, "--arch", "peagle", "--head-layers", "2")) == 0
+    assert json.loads((tmp_path / "deep" / "config.json").read_text())["num_hidden_layers"] == 2
+    assert any(k.startswith("extra.0.") for k in checkpoint(tmp_path / "deep")["head"])
+    line = one_error_line(args(target, corpus, tmp_path / "m", tmp_path / "mf", 1, "--arch", "mtp", "--head-layers",
+                               "2"), capsys)
+    assert "--head-layers" in line and "one decoder layer" in line, line
+    line = one_error_line(args(target, corpus, tmp_path / "c", features, 1, "--arch", "peagle", "--init",
+                               str(tmp_path / "deep"), "--head-layers", "3"), capsys)
+    assert "--head-layers 3" in line and "has 2" in line, line
+
+
 @pytest.mark.parametrize("layers,expect", [("x", "layer numbers"), ("1,x", "layer numbers"), (",", "at least one"),
                                            ("1,3", "3"), ("-1", "-1")])
 def test_error_bad_layers(target, corpus, features, tmp_path, capsys, layers, expect):

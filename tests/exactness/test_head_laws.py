@@ -1,6 +1,6 @@
 """Sampling with the Medusa, MTP and P-EAGLE drafters is AR sampling: the chi-square harness of
 test_speculative_distribution.py (the 16-token target as a table whose "hidden states" are the token embeddings:
-test_eagle.FeatureTable) with a random head of each family over 12 of the 16 tokens, at T = 1 and at T = 0.8 with
+test_eagle.FeatureTable) with a random head of each family (P-EAGLE of 1 and 2 decoder layers) over 12 of the 16 tokens, at T = 1 and at T = 0.8 with
 top-k 6, against the exact law; and a broken verifier (accepting every draft) that the same test must reject. (EAGLE-3's
 own: test_eagle.py.)"""
 
@@ -28,23 +28,25 @@ def write_mtp(path, cfg, rows, scale):
 
 MAKERS = {"medusa": lambda path, cfg: random_medusa(path, cfg, rows=ROWS, scale=0.5),
           "mtp": lambda path, cfg: write_mtp(path, cfg, ROWS, 0.3),
-          "peagle": lambda path, cfg: random_peagle(path, cfg, rows=ROWS, scale=0.3)}
+          "peagle": lambda path, cfg: random_peagle(path, cfg, rows=ROWS, scale=0.3),
+          "peagle 2 layers": lambda path, cfg: random_peagle(path, cfg, rows=ROWS, scale=0.3, depth=2)}
 
 
 @pytest.fixture(scope="module")
 def table_llms(model_dirs, tables, tmp_path_factory):
     root = tmp_path_factory.mktemp("head_laws")
     cfg = LLM(target=str(model_dirs["target"]), dtype="float32", progress=False).target.config
-    return {method: table_llm_with(model_dirs, tables, make(root / method, cfg)) for method, make in MAKERS.items()}
+    return {name: table_llm_with(model_dirs, tables, make(root / name.replace(" ", "-"), cfg))
+            for name, make in MAKERS.items()}
 
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("method", list(MAKERS))
 def test_sampling_matches_exact_distribution(table_llms, tables, method, name):
-    check_law(table_llms[method], tables, f"{method} {name}", *CASES[name], method)
+    check_law(table_llms[method], tables, f"{method} {name}", *CASES[name], method.split()[0])
 
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("method", list(MAKERS))
 def test_negative_control_broken_verifier_fails(table_llms, tables, monkeypatch, method, name):
-    check_broken_verifier_fails(table_llms[method], tables, monkeypatch, *CASES[name], method)
+    check_broken_verifier_fails(table_llms[method], tables, monkeypatch, *CASES[name], method.split()[0])

@@ -1,13 +1,15 @@
 """The P-EAGLE head (heads/peagle.py, drafters/head.py's PEagleDrafter: drafts 2..K from one pass of mask rows)
 keeps the output exactly the target's.
 
-Greedy: method="peagle" gives token for token the AR output (float32 tiny target) for a random head, K = 1..6
-(sampling: test_head_laws.py). Training: EAGLE-3's unroll with mask inputs from step 1 on, on a successor-function target,
+Greedy: method="peagle" gives token for token the AR output (float32 tiny target) for a random head of 1 and of 3
+decoder layers, K = 1..6 (sampling: test_head_laws.py). Training: EAGLE-3's unroll with mask inputs from step 1 on, on a successor-function target,
 raises held-out acceptance at every position far above the untrained head's (can fail). A head of another family
 for the method is one line.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -19,17 +21,17 @@ from verispec.heads import PEagleConfig, PEagleHead, save_head
 
 
 
-def random_peagle(path, target_cfg, rows=None, seed: int = 0, scale: float = 0.15):
+def random_peagle(path, target_cfg, rows=None, seed: int = 0, scale: float = 0.15, depth: int = 1):
     rows = list(range(target_cfg.vocab_size)) if rows is None else rows
-    save_head(randomize(PEagleHead(PEagleConfig.for_target(target_cfg, None, len(rows))), rows, seed, scale), path,
-              int8=False)
+    config = replace(PEagleConfig.for_target(target_cfg, None, len(rows)), num_layers=depth)
+    save_head(randomize(PEagleHead(config), rows, seed, scale), path, int8=False)
     return path
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_dirs, tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 3], ids=["1-layer", "3-layers"])
+def llm(tiny_dirs, tmp_path_factory, request):
     cfg = LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", progress=False).target.config
-    path = random_peagle(tmp_path_factory.mktemp("peagle") / "random", cfg)
+    path = random_peagle(tmp_path_factory.mktemp("peagle") / "random", cfg, depth=request.param)
     return LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=str(path), progress=False)
 
 

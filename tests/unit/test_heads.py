@@ -185,9 +185,9 @@ def test_family_names_the_head_class(tmp_path):
 
 # -- 2. save_head -> read_head ----------------------------------------------------------------------------------
 
-def random_head(seed: int = 0, layers=LAYERS, bias: bool = False) -> Eagle3Head:
+def random_head(seed: int = 0, layers=LAYERS, bias: bool = False, depth: int = 1) -> Eagle3Head:
     torch.manual_seed(seed)
-    c = Eagle3Config(D, I, H, HKV, HD, 1e-6, V, VD, tuple(layers), 10000.0, bias, 256)
+    c = Eagle3Config(D, I, H, HKV, HD, 1e-6, V, VD, tuple(layers), 10000.0, bias, 256, depth)
     head = Eagle3Head(c)
     with torch.no_grad():
         for name, p in head.named_parameters():
@@ -197,10 +197,11 @@ def random_head(seed: int = 0, layers=LAYERS, bias: bool = False) -> Eagle3Head:
     return head
 
 
-@pytest.mark.parametrize("with_lm_head", [True, False])
-def test_save_read_full_precision(tmp_path, with_lm_head):
-    """int8=False stores bfloat16: a head whose weights are bf16 values comes back bit for bit."""
-    head = random_head(bias=True)
+@pytest.mark.parametrize("with_lm_head,depth", [(True, 1), (False, 1), (False, 2)])
+def test_save_read_full_precision(tmp_path, with_lm_head, depth):
+    """int8=False stores bfloat16: a head whose weights are bf16 values comes back bit for bit (a deeper head too:
+    its layers after the first are ``extra.{i}.*``, ``num_hidden_layers`` its depth)."""
+    head = random_head(bias=True, depth=depth)
     with torch.no_grad():
         for p in head.parameters():
             p.copy_(p.to(torch.bfloat16).float())
@@ -208,6 +209,7 @@ def test_save_read_full_precision(tmp_path, with_lm_head):
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["note"] == "x" and cfg["family"] == "eagle3"
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(LAYERS)
+    assert cfg["num_hidden_layers"] == depth and any(k.startswith("extra.0.") for k in head.state_dict()) == (depth > 1)
     back, has_lm_head = read_head(tmp_path / "h", target_config(qkv_bias=True))
     assert has_lm_head == with_lm_head
     assert back.config == head.config
@@ -342,10 +344,10 @@ def chain_by_steps(head: Eagle3Head, feats, tokens, r: int, steps: int, wrong_at
     return out
 
 
-@pytest.mark.parametrize("r", [6, 20])  # the grouped float32 attention path (<= 16 rows) and SDPA (> 16)
-def test_unroll_matches_step_inference(r):
+@pytest.mark.parametrize("r,depth", [(6, 1), (20, 1), (20, 3)])  # the grouped float32 attention (<= 16 rows), SDPA
+def test_unroll_matches_step_inference(r, depth):
     steps, T = 3, 28
-    head = random_head(seed=2, layers=(1, 2), bias=True)
+    head = random_head(seed=2, layers=(1, 2), bias=True, depth=depth)
     g = torch.Generator().manual_seed(5)
     feats = torch.randn(1, T, 2 * D, generator=g)
     tokens = torch.randint(0, V, (1, T), generator=g)

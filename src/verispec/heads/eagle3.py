@@ -47,6 +47,7 @@ class Eagle3Config(HeadConfig):
     rope_theta: float = 10000.0
     attention_bias: bool = False
     max_position_embeddings: int = 32768
+    num_layers: int = 1  # decoder layers: the first reads [embedding, hidden] (midlayer), the rest its output
 
     family = "eagle3"  # a class attribute (HeadConfig.family is a ClassVar), not a field
 
@@ -78,7 +79,8 @@ class Eagle3Config(HeadConfig):
                    int(raw.get("draft_vocab_size") or raw.get("vocab_size", target_cfg.vocab_size)),
                    tuple(int(i) for i in layers), float(raw.get("rope_theta", 10000.0)),
                    bool(raw.get("attention_bias", False)),
-                   int(raw.get("max_position_embeddings", target_cfg.max_position_embeddings)))
+                   int(raw.get("max_position_embeddings", target_cfg.max_position_embeddings)),
+                   int(raw.get("num_hidden_layers", 1)))
 
     def to_json(self) -> dict:
         return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
@@ -87,7 +89,7 @@ class Eagle3Config(HeadConfig):
                 "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "vocab_size": self.vocab_size,
                 "draft_vocab_size": self.draft_vocab_size, "rope_theta": self.rope_theta,
                 "attention_bias": self.attention_bias, "max_position_embeddings": self.max_position_embeddings,
-                "num_hidden_layers": 1, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.layers)}}
+                "num_hidden_layers": self.num_layers, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.layers)}}
 
 
 def default_layers(num_layers: int) -> tuple[int, ...]:
@@ -144,6 +146,29 @@ class MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class DecoderLayer(nn.Module):
+    """The Llama / Qwen2 decoder layer (pre-norm attention and SwiGLU MLP) on a head's own KV cache: an MTP module's
+    layer, and a deeper head's layers after its first."""
+
+    def __init__(self, c):
+        super().__init__()
+        D, I = c.hidden_size, c.intermediate_size
+        self.input_layernorm = RMSNorm(D, c.rms_norm_eps)
+        self.self_attn = HeadAttention(c, D)
+        self.post_attention_layernorm = RMSNorm(D, c.rms_norm_eps)
+        self.gate_proj = Linear(D, I, bias=False)  # published: mlp.gate_proj / up_proj / down_proj
+        self.up_proj = Linear(D, I, bias=False)
+        self.down_proj = Linear(I, D, bias=False)
+
+    def mlp(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(self, h, attend):
+        """h [B, T, D]; ``attend(self_attn, x)`` -> attention output [B, T, D] (the caller's mask and cache)."""
+        h = h + attend(self.self_attn, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 class Eagle3Head(DraftHead):
     Config = Eagle3Config
     PUBLIC_NAMES = {f"midlayer.{m}.": f"midlayer.mlp.{m}." for m in ("gate_proj", "up_proj", "down_proj")}
@@ -153,6 +178,7 @@ class Eagle3Head(DraftHead):
         D = c.hidden_size
         self.fc = Linear(len(c.layers) * D, D, bias=False)
         self.midlayer = MidLayer(c)
+        self.extra = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers - 1))  # deeper heads (P-EAGLE)
         self.norm = RMSNorm(D, c.rms_norm_eps)
         self.lm_head = Linear(D, c.draft_vocab_size, bias=False)
         self.inv_freq = rope_inv_freq(_rope_cfg(c))  # [hd/2] float32 (a plain attribute: never rounded)
@@ -180,22 +206,30 @@ class Eagle3Head(DraftHead):
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Feed T rows at the cache's next positions: hidden [1, T, D] (fc(features) or the head's own output),
         tokens [1, T] (the token each row's next-token input is) -> output hidden [1, T, D]."""
-        m = self.midlayer
-        x = m.inputs(self.embed(tokens).to(hidden.dtype), hidden)  # [1, T, 2D]
-        return m.finish(hidden, cached_attention(m.self_attn, x, self.rope, cache))
+        return self.layers_forward(self.embed(tokens).to(hidden.dtype), hidden, cache)
+
+    def layers_forward(self, emb: torch.Tensor, hidden: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """The decoder layers on T rows at the cache's next positions: emb, hidden [1, T, D] -> [1, T, D]."""
+        m, T = self.midlayer, emb.shape[1]
+        h = m.finish(hidden, cached_attention(m.self_attn, m.inputs(emb, hidden), self.rope, cache, 0))
+        for i, layer in enumerate(self.extra, 1):
+            h = layer(h, lambda a, x, i=i: cached_attention(a, x, self.rope, cache, i))
+        cache.advance(T)
+        return h
 
     def new_cache(self, capacity: int, dtype, device) -> KVCache:
         c = self.config
-        return KVCache(1, 1, c.num_kv_heads, capacity, c.head_dim, dtype, device)
+        return KVCache(c.num_layers, 1, c.num_kv_heads, capacity, c.head_dim, dtype, device)
 
 
-def cached_attention(attn: HeadAttention, x: torch.Tensor, rope, cache: KVCache) -> torch.Tensor:
+def cached_attention(attn: HeadAttention, x: torch.Tensor, rope, cache: KVCache, layer: int = 0) -> torch.Tensor:
     """x [1, T, D_in] at the cache's next positions -> attention output [1, T, D] over the cache and these rows
-    (causal); the rows' keys and values stay in the cache. ``rope(positions [1, T], dtype)`` -> cos, sin."""
+    (causal); the rows' keys and values stay in the cache's ``layer`` (the caller advances it once all its layers
+    have run). ``rope(positions [1, T], dtype)`` -> cos, sin."""
     T, start = x.shape[1], cache.reserve(x.shape[1])
     cos, sin = rope(torch.arange(start, start + T, device=x.device)[None], x.dtype)
     q, k, v = attn.qkv(x, cos, sin)
-    k_all, v_all = cache.update(0, k, v)  # [1, Hkv, S, hd]
+    k_all, v_all = cache.update(layer, k, v)  # [1, Hkv, S, hd]
     mask = None
     if T > 1:
         S = start + T
@@ -205,7 +239,6 @@ def cached_attention(attn: HeadAttention, x: torch.Tensor, rope, cache: KVCache)
     else:
         add = None if mask is None else torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, MASKED)
         o = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=add, enable_gqa=attn.h != attn.hkv)
-    cache.advance(T)
     return attn.out(o)
 
 

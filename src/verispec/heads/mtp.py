@@ -24,8 +24,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from ..errors import ConfigError
 from ..models.config import ModelConfig
@@ -33,7 +31,7 @@ from ..models.kv_cache import KVCache
 from ..models.linear import Linear
 from ..models.llama import RMSNorm, rope_inv_freq
 from .base import DraftHead
-from .eagle3 import Eagle3Config, HeadAttention, _rope_cfg, cached_attention
+from .eagle3 import DecoderLayer, Eagle3Config, _rope_cfg, cached_attention
 
 
 @dataclass(frozen=True)
@@ -46,6 +44,8 @@ class MtpConfig(Eagle3Config):
     def __post_init__(self):
         if len(self.layers) != 1:
             raise ConfigError(f"--layers: an MTP module reads one layer (the last), got {self.layers}")
+        if self.num_layers != 1:
+            raise ConfigError(f"--head-layers: an MTP module is one decoder layer, got {self.num_layers}")
 
     @staticmethod
     def default_layers(num_layers: int) -> tuple[int, ...]:
@@ -74,23 +74,6 @@ class MtpConfig(Eagle3Config):
                 "draft_vocab_size": self.draft_vocab_size, "num_hidden_layers": self.layers[0],
                 "rope_theta": self.rope_theta, "attention_bias": self.attention_bias,
                 "max_position_embeddings": self.max_position_embeddings}
-
-
-class DecoderLayer(nn.Module):
-    """The Llama / Qwen2 decoder layer (pre-norm attention and SwiGLU MLP), on the head's own KV cache."""
-
-    def __init__(self, c: MtpConfig):
-        super().__init__()
-        D, I = c.hidden_size, c.intermediate_size
-        self.input_layernorm = RMSNorm(D, c.rms_norm_eps)
-        self.self_attn = HeadAttention(c, D)
-        self.post_attention_layernorm = RMSNorm(D, c.rms_norm_eps)
-        self.gate_proj = Linear(D, I, bias=False)  # published: mlp.gate_proj / up_proj / down_proj
-        self.up_proj = Linear(D, I, bias=False)
-        self.down_proj = Linear(I, D, bias=False)
-
-    def mlp(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 # ours -> MiMo's (the names we write); the other layouts' module parts -> ours
@@ -163,9 +146,9 @@ class MtpHead(DraftHead):
     @torch.inference_mode()
     def step(self, hidden: torch.Tensor, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """hidden [1, T, D] (the target's features or the module's own output), tokens [1, T] -> output [1, T, D]."""
-        x = self.inputs(tokens, hidden)
-        h = x + cached_attention(self.layer.self_attn, self.layer.input_layernorm(x), self.rope, cache)
-        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+        h = self.layer(self.inputs(tokens, hidden), lambda a, x: cached_attention(a, x, self.rope, cache))
+        cache.advance(tokens.shape[1])
+        return h
 
     def new_cache(self, capacity: int, dtype, device) -> KVCache:
         c = self.config

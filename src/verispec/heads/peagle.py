@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..models.kv_cache import KVCache
-from .eagle3 import Eagle3Config, Eagle3Head, cached_attention
+from .eagle3 import Eagle3Config, Eagle3Head
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,6 @@ class PEagleHead(Eagle3Head):
     @torch.inference_mode()
     def parallel(self, n: int, cache: KVCache) -> torch.Tensor:
         """n mask rows at the cache's next positions -> their output hidden states [1, n, D] (row i: draft i + 2)."""
-        m, D, dtype = self.midlayer, self.config.hidden_size, self.dtype
-        hidden = self.mask_hidden.to(dtype).expand(1, n, D)
-        x = m.inputs(self.mask_embed.to(dtype).expand(1, n, D), hidden)  # [1, n, 2D]
-        return m.finish(hidden, cached_attention(m.self_attn, x, self.rope, cache))
+        D, dtype = self.config.hidden_size, self.dtype
+        return self.layers_forward(self.mask_embed.to(dtype).expand(1, n, D), self.mask_hidden.to(dtype).expand(1, n, D),
+                                   cache)

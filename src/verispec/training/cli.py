@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 from ..errors import VerispecError
@@ -55,6 +55,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--layers", type=_layers, default=None, metavar="I,J,K",
                    help="target residual streams the head reads (i = after layer i; default: 2, L/2, L-3; one layer "
                         "gives EAGLE-1)")
+    p.add_argument("--head-layers", type=_positive, default=None, metavar="N",
+                   help="the head's depth: decoder layers (eagle3, peagle), ResBlocks per head (medusa); an MTP module "
+                        "is one layer (default 1)")
     p.add_argument("--draft-vocab", type=_positive, default=d.draft_vocab, metavar="N",
                    help=f"tokens the head may propose: the N the target predicts most often in the data (default {d.draft_vocab})")
     p.add_argument("--steps", type=_positive, default=d.steps, help=f"optimizer steps (default {d.steps})")
@@ -140,6 +143,9 @@ def run_train(args) -> int:
         if args.layers is not None and tuple(args.layers) != tuple(start.config.layers):
             raise VerispecError(f"--layers {','.join(map(str, args.layers))}: the head in {args.init} reads layers "
                                 f"{','.join(map(str, start.config.layers))}")
+        if args.head_layers is not None and args.head_layers != start.config.num_layers:
+            raise VerispecError(f"--head-layers {args.head_layers}: the head in {args.init} has "
+                                f"{start.config.num_layers}")
         args.layers, args.draft_vocab = tuple(start.config.layers), start.config.draft_vocab_size
     pick, stored = None, 1  # which of the captured layers the head reads (all of them: None), of how many
     if capture is not None:  # captured while generating: trained on as they are, or on some of their layers
@@ -154,7 +160,8 @@ def run_train(args) -> int:
                                 f"{','.join(map(str, wanted))}")
         args.layers = tuple(wanted)
         pick, stored = None if args.layers == kept else tuple(kept.index(i) for i in args.layers), len(kept)
-    layers = recipe.head.Config.for_target(llm.target.config, args.layers, 1).layers  # checks the layer numbers
+    layers = replace(recipe.head.Config.for_target(llm.target.config, args.layers, 1),  # checks layers and depth
+                     num_layers=args.head_layers or 1).layers
     report = {} if capture is not None else extract(
         llm, args.data, features, layers, args.seq_len, args.extract_tokens, args.heldout_tokens, args.topk,
         args.seed, args.self_distill_tokens, rank, world, progress)
@@ -182,7 +189,7 @@ def run_train(args) -> int:
             head.freeze_target_rows(target.model)
         head.lm_head.weight.requires_grad_(False)
     else:
-        head = recipe.build(target.config, layers, cfg.draft_vocab)
+        head = recipe.build(target.config, layers, cfg.draft_vocab, args.head_layers or 1)
         head.d2t = draft_vocabulary(train["topk_ids"][..., 0], head.config.draft_vocab_size, head.config.vocab_size,
                                     eos)
         recipe.init(head, target.model, cfg.init, cfg.seed)

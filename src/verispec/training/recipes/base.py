@@ -5,7 +5,7 @@ plain random start (random_init)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -24,9 +24,11 @@ class Recipe:
     # (forward module, batch, Labels, steps) -> (loss, [steps] greedy hits, [steps] rows reached)
     loss: Callable[[nn.Module, dict, Labels, int], tuple[torch.Tensor, list[int], list[int]]]
 
-    def build(self, cfg: ModelConfig, layers: tuple[int, ...] | None, draft_vocab_size: int) -> DraftHead:
-        """A head of this family for the target ``cfg`` (its d2t the identity until the caller sets it)."""
-        return self.head(self.head.Config.for_target(cfg, layers, draft_vocab_size))
+    def build(self, cfg: ModelConfig, layers: tuple[int, ...] | None, draft_vocab_size: int,
+              depth: int = 1) -> DraftHead:
+        """A head of this family for the target ``cfg`` (its d2t the identity until the caller sets it); ``depth``:
+        its config's ``num_layers`` (decoder layers, Medusa's ResBlocks per head)."""
+        return self.head(replace(self.head.Config.for_target(cfg, layers, draft_vocab_size), num_layers=depth))
 
 
 class Labels:

@@ -28,6 +28,10 @@ def init(head: Eagle3Head, target: nn.Module, init: str, seed: int) -> None:
         for norm in (m.hidden_norm, m.input_layernorm):
             norm.weight.copy_(last.input_layernorm.weight.float())
         m.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
+        for layer in head.extra:  # a deeper head: each later layer the target's last too
+            copy_last_layer(layer, layer.self_attn, last, D_in=0)
+            layer.input_layernorm.weight.copy_(last.input_layernorm.weight.float())
+            layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
         n = len(head.config.layers)
         head.fc.weight.mul_(0.1)
         head.fc.weight[:, (n - 1) * D:] += torch.eye(D)  # start from the highest layer's features
@@ -57,35 +61,48 @@ def unroll(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, steps
     0..T-1), tokens [B, T] (the token at each position).
 
     Step j's row r sits at position r + j, reads token x_{r+j+1} and (j = 0) fc(f_r) or (j > 0) its own
-    step j-1 output, and attends to step 0's rows at positions <= r plus its own chain (steps 1..j at r),
-    as the drafter's cache holds them. Returns per step the logits [B, T, Vd]; step j row r predicts
-    token x_{r+j+2} (rows past the end read padding: the caller masks them)."""
+    step j-1 output, and in every decoder layer attends to step 0's rows at positions <= r plus its own chain
+    (steps 1..j at r), as the drafter's cache holds them. Returns per step the logits [B, T, Vd]; step j row r
+    predicts token x_{r+j+2} (rows past the end read padding: the caller masks them)."""
     B, T, _ = features.shape
-    m, a = head.midlayer, head.midlayer.self_attn
+    m = head.midlayer
     pad = torch.zeros(B, steps, dtype=tokens.dtype, device=tokens.device)
     next_tokens = torch.cat([tokens[:, 1:], pad, pad[:, :1]], dim=1)  # [B, T + steps]: x_{r+1}, 0 past the end
     hidden = head.fuse(features)  # [B, T, D]
     causal = torch.ones(T, T, dtype=torch.bool, device=features.device).tril()  # [T, T]
-    keys, out = [], []
-    G = a.h // a.hkv
+    keys = [[] for _ in range(1 + len(head.extra))]  # per decoder layer, per step: (k, v) [B, Hkv, T, hd]
+    out = []
     for j in range(steps):
         positions = torch.arange(j, T + j, device=features.device)[None].expand(B, T)
         cos, sin = head.rope(positions, hidden.dtype)
+
+        def attend(a, x, cache):
+            return chain_attention(a, x, cos, sin, cache, causal)
+
         emb, hidden = head.step_inputs(j, head.embed(next_tokens[:, j:j + T]).to(hidden.dtype), hidden)
-        x = m.inputs(emb, hidden)  # [B, T, 2D]
-        q, k, v = a.qkv(x, cos, sin)  # [B, H, T, hd], [B, Hkv, T, hd]
-        keys.append((k, v))
-        qg = q.view(B, a.hkv, G, T, a.hd)
-        k0, v0 = keys[0]
-        scores = [torch.einsum("bkgtd,bksd->bkgts", qg, k0).masked_fill(~causal, MASKED)]  # [B, Hkv, G, T, T]
-        scores += [torch.einsum("bkgtd,bktd->bkgt", qg, ki)[..., None] for ki, _ in keys[1:]]  # [.., T, 1] each
-        probs = torch.softmax(torch.cat(scores, dim=-1).float() * a.hd ** -0.5, dim=-1).to(q.dtype)
-        o = torch.einsum("bkgts,bksd->bkgtd", probs[..., :T], v0)
-        for i, (_, vi) in enumerate(keys[1:]):
-            o = o + probs[..., T + i, None] * vi[:, :, None]
-        hidden = m.finish(hidden, a.out(o.reshape(B, a.h, T, a.hd)))
+        hidden = m.finish(hidden, attend(m.self_attn, m.inputs(emb, hidden), keys[0]))  # x: [B, T, 2D]
+        for layer, cache in zip(head.extra, keys[1:]):
+            hidden = layer(hidden, lambda a, x, cache=cache: attend(a, x, cache))
         out.append(head.logits(hidden))
     return out
+
+
+def chain_attention(a, x: torch.Tensor, cos, sin, keys: list, causal: torch.Tensor) -> torch.Tensor:
+    """One layer's attention for chain step j = len(keys): x [B, T, D_in] -> [B, T, D]. Row r attends to step 0's rows
+    at positions <= r and to its own rows of steps 1..j (``keys`` holds the earlier steps' (k, v); this one's joins)."""
+    B, T, _ = x.shape
+    G = a.h // a.hkv
+    q, k, v = a.qkv(x, cos, sin)  # [B, H, T, hd], [B, Hkv, T, hd]
+    keys.append((k, v))
+    qg = q.view(B, a.hkv, G, T, a.hd)
+    k0, v0 = keys[0]
+    scores = [torch.einsum("bkgtd,bksd->bkgts", qg, k0).masked_fill(~causal, MASKED)]  # [B, Hkv, G, T, T]
+    scores += [torch.einsum("bkgtd,bktd->bkgt", qg, ki)[..., None] for ki, _ in keys[1:]]  # [.., T, 1] each
+    probs = torch.softmax(torch.cat(scores, dim=-1).float() * a.hd ** -0.5, dim=-1).to(q.dtype)
+    o = torch.einsum("bkgts,bksd->bkgtd", probs[..., :T], v0)
+    for i, (_, vi) in enumerate(keys[1:]):
+        o = o + probs[..., T + i, None] * vi[:, :, None]
+    return a.out(o.reshape(B, a.h, T, a.hd))
 
 
 def chain_loss(model: nn.Module, batch: dict, labels: Labels, steps: int):
