@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from ..tools import Tools, template_message
 
@@ -281,22 +282,24 @@ class ChatCompletionRequest(GenerateRequest):
             raise ValueError("top_logprobs: needs logprobs set to true")
         return self
 
+    _tool_spec: Tools | None = PrivateAttr(default=None)  # built once, by the check below
+
     @model_validator(mode="after")
-    def _tools(self):
+    def _check_tools(self):
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice: only allowed when tools are given")
-        tools = self.tool_spec()  # checks names, schemas and the named function
+        if self.tools:  # Tools checks names, schemas and the named function
+            choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+            self._tool_spec = Tools([t.definition() for t in self.tools], choice or "auto",
+                                    True if self.parallel_tool_calls is None else self.parallel_tool_calls)
+        tools = self._tool_spec
         if tools is not None and tools.forced and (self.response_format or {}).get("type", "text") != "text":
             raise ValueError("tool_choice: a forced tool call cannot be combined with response_format")
         return self
 
     def tool_spec(self) -> Tools | None:
         """The request's tools (tools.py), or None without any."""
-        if not self.tools:
-            return None
-        choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
-        return Tools([t.definition() for t in self.tools], choice or "auto",
-                     True if self.parallel_tool_calls is None else self.parallel_tool_calls)
+        return self._tool_spec
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
