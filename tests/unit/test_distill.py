@@ -172,3 +172,24 @@ def test_distill_with_features_writes_shards_train_head_trains_on(llm, tiny_dirs
     assert main(["train-head", "--target", str(tiny_dirs["qwen2"]), "--features", str(tmp_path / "f"), "--out",
                  str(out), "--layers", "0", "--steps", "2", "--no-progress"]) == 2
     assert "holds layers 1,2, not 0" in capsys.readouterr().err
+
+
+def test_a_capture_without_held_out_records_holds_out_its_last_shard(llm, tiny_dirs, tmp_path, capsys):
+    """One record in 50 is held out, so a short capture may hold none: train-head then holds out the last train shard
+    (and says so) rather than failing or evaluating on what it trains on."""
+    from verispec.engine import Capture
+    from verispec.training.capture import FeatureWriter
+    from verispec.training.corpus import Document
+    from verispec.training.extract import shards
+
+    ids = [f"t{i}" for i in range(40) if not Document(f"t{i}").heldout]
+    tasks = [T.Task(t, "coding", "code", [{"role": "user", "content": f"Write function {t} " * 3}]) for t in ids]
+    writer = FeatureWriter(tmp_path / "f", Capture((1, 2), 4), 32, "tiny", llm.target.config.hidden_size)
+    Distiller(llm, tmp_path / "c.jsonl", concurrency=4, max_new_tokens=6, magpie_share=0.0, follow_up_share=0.0,
+              tasks=tasks, kv_cache_tokens=4096, features=writer).run(tokens=10**6, progress=False)
+    train = shards(tmp_path / "f", "train")
+    assert len(train) > 1 and not shards(tmp_path / "f", "heldout")
+    assert main(["train-head", "--target", str(tiny_dirs["qwen2"]), "--features", str(tmp_path / "f"), "--out",
+                 str(tmp_path / "head"), "--steps", "1", "--draft-vocab", "64", "--threads", "1",
+                 "--no-progress"]) == 0
+    assert f"holding out {train[-1].name}" in capsys.readouterr().err

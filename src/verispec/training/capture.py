@@ -38,17 +38,19 @@ class FeatureWriter:
 
     def add(self, name: str, rows: dict[str, torch.Tensor]) -> None:
         """One answered prompt's rows (tokens [n], features [n, F], topk_ids / topk_logp [n, k]), position by
-        position; shards are written whenever a split holds enough for one."""
+        position; shards are written whenever a split holds enough for one (held-out: one sequence a shard, as one
+        record in HELDOUT_EVERY is held out)."""
         split = "heldout" if Document(name).heldout else "train"
         self.pending[split].append({k: v.cpu() for k, v in rows.items()})
-        whole = self.seq_len * SHARD_SEQS
+        per_shard = SHARD_SEQS if split == "train" else 1
+        whole = self.seq_len * per_shard
         if sum(len(r["tokens"]) for r in self.pending[split]) < whole:
             return
         joined = {k: torch.cat([r[k] for r in self.pending[split]]) for k in self.pending[split][0]}
         n = len(joined["tokens"]) // whole * whole
         for at in range(0, n, whole):
             seqs = [{k: v[at + i * self.seq_len: at + (i + 1) * self.seq_len] for k, v in joined.items()}
-                    for i in range(SHARD_SEQS)]
+                    for i in range(per_shard)]
             _write_shard(self.dir / shard_name(split, 0, self.index[split]), seqs)
             self.index[split] += 1
             self.written[split] += whole

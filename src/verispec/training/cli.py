@@ -94,7 +94,7 @@ def run_train(args) -> int:
     from ..heads.io import read_head
     from ..llm import LLM
     from ..models.loader import load
-    from .extract import extract
+    from .extract import extract, shards
     from .trainer import Trainer, draft_vocabulary, load_split
 
     out = Path(args.out)
@@ -177,7 +177,13 @@ def run_train(args) -> int:
 
     # 2. the head, on the target's dense weights (embedding, LM head rows, last layer for the initial values)
     target = load(args.target, torch.bfloat16, "cpu", progress=False, weights="dequantized")
-    train, heldout = load_split(features, "train", pick, stored), load_split(features, "heldout", pick, stored)
+    files = {split: shards(features, split) for split in ("train", "heldout")}
+    if capture is not None and not files["heldout"] and len(files["train"]) > 1:  # a short capture: one record in
+        files["heldout"] = [files["train"].pop()]  # HELDOUT_EVERY is held out, maybe none yet; so is its last shard
+        if rank == 0:
+            print(f"--features {features}: no held-out shards yet; holding out {files['heldout'][0].name}",
+                  file=sys.stderr)
+    train, heldout = (load_split(features, split, pick, stored, files[split]) for split in ("train", "heldout"))
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
     if start is not None:  # its weights as they are
         head = start

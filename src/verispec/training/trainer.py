@@ -42,13 +42,13 @@ class TrainConfig:
     warmup: int = 50
 
 
-def load_split(features_dir: Path, split: str, pick: tuple[int, ...] | None = None,
-               stored: int = 1) -> dict[str, torch.Tensor]:
-    """Every shard of one split, stacked: tokens [N, T], features [N, T, F], topk_ids / topk_logp [N, T, k].
-    ``pick``: keep only these of the ``stored`` layers (features are ``stored`` blocks of D, one a layer)."""
+def load_split(features_dir: Path, split: str, pick: tuple[int, ...] | None = None, stored: int = 1,
+               files: list[Path] | None = None) -> dict[str, torch.Tensor]:
+    """Every shard of one split (or ``files``), stacked: tokens [N, T], features [N, T, F], topk_ids / topk_logp
+    [N, T, k]. ``pick``: keep only these of the ``stored`` layers (features are ``stored`` blocks of D, one a layer)."""
     from safetensors.torch import load_file
 
-    files = shards(features_dir, split)
+    files = shards(features_dir, split) if files is None else files
     if not files:
         raise VerispecError(f"{features_dir}: no {split} features (run the extraction first)")
     parts = [load_file(str(f)) for f in files]
