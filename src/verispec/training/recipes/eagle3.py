@@ -28,10 +28,12 @@ def init(head: Eagle3Head, target: nn.Module, init: str, seed: int) -> None:
         for norm in (m.hidden_norm, m.input_layernorm):
             norm.weight.copy_(last.input_layernorm.weight.float())
         m.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
-        for layer in head.extra:  # a deeper head: each later layer the target's last too
-            copy_last_layer(layer, layer.self_attn, last, D_in=0)
+        for layer in head.extra:  # a deeper head: each later layer the target's last, its residual branches at
+            copy_last_layer(layer, layer.self_attn, last, D_in=0)  # zero, so it starts as the one-layer head
             layer.input_layernorm.weight.copy_(last.input_layernorm.weight.float())
             layer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight.float())
+            layer.self_attn.o_proj.weight.zero_()
+            layer.down_proj.weight.zero_()
         n = len(head.config.layers)
         head.fc.weight.mul_(0.1)
         head.fc.weight[:, (n - 1) * D:] += torch.eye(D)  # start from the highest layer's features
