@@ -62,8 +62,8 @@ def add_model_args(p: argparse.ArgumentParser, compare_draft_quant: bool = False
     p.add_argument("--draft-weights", default="dequantized", choices=["dequantized", "native"],
                    help="the same for the draft model (default: dequantized, then --draft-quant)")
     p.add_argument("--head", action="append", default=None, metavar="DIR",
-                   help="draft head for --method eagle (EAGLE-3), peagle, medusa or mtp (verispec train-head, or a public "
-                        "EAGLE-3 / SpecForge / Medusa / MTP checkpoint for this target); repeatable, one a family "
+                   help="draft head for --method eagle (EAGLE-3), peagle, medusa or mtp (verispec train-head, or a "
+                        "public EAGLE-3 / SpecForge / Medusa / MTP checkpoint for this target); repeatable, one a family "
                         "(auto and bench use them all); default: the head that ships for the default target")
     p.add_argument("--draft-vocab-table", default=None, metavar="FILE",
                    help="token-frequency table for --draft-vocab (python -m verispec.draft_vocab)")

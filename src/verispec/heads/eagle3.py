@@ -89,7 +89,8 @@ class Eagle3Config(HeadConfig):
                 "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps, "vocab_size": self.vocab_size,
                 "draft_vocab_size": self.draft_vocab_size, "rope_theta": self.rope_theta,
                 "attention_bias": self.attention_bias, "max_position_embeddings": self.max_position_embeddings,
-                "num_hidden_layers": self.num_layers, "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.layers)}}
+                "num_hidden_layers": self.num_layers,
+                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.layers)}}
 
 
 def default_layers(num_layers: int) -> tuple[int, ...]:

@@ -45,5 +45,5 @@ class PEagleHead(Eagle3Head):
     def parallel(self, n: int, cache: KVCache) -> torch.Tensor:
         """n mask rows at the cache's next positions -> their output hidden states [1, n, D] (row i: draft i + 2)."""
         D, dtype = self.config.hidden_size, self.dtype
-        return self.layers_forward(self.mask_embed.to(dtype).expand(1, n, D), self.mask_hidden.to(dtype).expand(1, n, D),
-                                   cache)
+        mask_embed, mask_hidden = (p.to(dtype).expand(1, n, D) for p in (self.mask_embed, self.mask_hidden))
+        return self.layers_forward(mask_embed, mask_hidden, cache)

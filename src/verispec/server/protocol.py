@@ -289,7 +289,8 @@ class ChatCompletionRequest(GenerateRequest):
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ValueError("tool_choice: only allowed when tools are given")
         if self.tools:  # Tools checks names, schemas and the named function
-            choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedToolChoice) else self.tool_choice
+            choice = self.tool_choice
+            choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
             self._tool_spec = Tools([t.definition() for t in self.tools], choice or "auto",
                                     True if self.parallel_tool_calls is None else self.parallel_tool_calls)
         tools = self._tool_spec
