@@ -270,10 +270,12 @@ def test_error_unknown_arch(target, corpus, tmp_path, capsys):
 
 
 def test_head_layers(target, corpus, features, tmp_path, capsys):
-    """--head-layers: a deeper P-EAGLE head (its layers after the first are extra.*), one line for an MTP module
-    (one layer) or for a depth other than the --init head's."""
-    assert main(args(target, corpus, tmp_path / "deep", features, 1, "--arch", "peagle", "--head-layers", "2")) == 0
-    assert json.loads((tmp_path / "deep" / "config.json").read_text())["num_hidden_layers"] == 2
+    """--head-layers: a deeper P-EAGLE head (its layers after the first are extra.*; --mask-first-hidden recorded),
+    one line for an MTP module (one layer), a depth other than the --init head's, or a mask option on EAGLE-3."""
+    assert main(args(target, corpus, tmp_path / "deep", features, 1, "--arch", "peagle", "--head-layers", "2",
+                     "--mask-first-hidden")) == 0
+    config = json.loads((tmp_path / "deep" / "config.json").read_text())
+    assert config["num_hidden_layers"] == 2 and config["mask_reads_first_hidden"] is True
     assert any(k.startswith("extra.0.") for k in checkpoint(tmp_path / "deep")["head"])
     line = one_error_line(args(target, corpus, tmp_path / "m", tmp_path / "mf", 1, "--arch", "mtp", "--head-layers",
                                "2"), capsys)
@@ -281,6 +283,8 @@ def test_head_layers(target, corpus, features, tmp_path, capsys):
     line = one_error_line(args(target, corpus, tmp_path / "c", features, 1, "--arch", "peagle", "--init",
                                str(tmp_path / "deep"), "--head-layers", "3"), capsys)
     assert "--head-layers 3" in line and "has 2" in line, line
+    line = one_error_line(args(target, corpus, tmp_path / "e", features, 1, "--mask-first-hidden"), capsys)
+    assert "--mask-first-hidden: only for a new --arch peagle head" in line, line
 
 
 @pytest.mark.parametrize("layers,expect", [("x", "layer numbers"), ("1,x", "layer numbers"), (",", "at least one"),

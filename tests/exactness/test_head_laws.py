@@ -1,6 +1,6 @@
 """Sampling with the Medusa, MTP and P-EAGLE drafters is AR sampling: the chi-square harness of
 test_speculative_distribution.py (the 16-token target as a table whose "hidden states" are the token embeddings:
-test_eagle.FeatureTable) with a random head of each family (P-EAGLE of 1 and 2 decoder layers) over 12 of the 16 tokens, at T = 1 and at T = 0.8 with
+test_eagle.FeatureTable) with a random head of each family (P-EAGLE of 1 layer, and of 2 whose mask rows read the first draft's hidden state) over 12 of the 16 tokens, at T = 1 and at T = 0.8 with
 top-k 6, against the exact law; and a broken verifier (accepting every draft) that the same test must reject. (EAGLE-3's
 own: test_eagle.py.)"""
 
@@ -29,7 +29,8 @@ def write_mtp(path, cfg, rows, scale):
 MAKERS = {"medusa": lambda path, cfg: random_medusa(path, cfg, rows=ROWS, scale=0.5),
           "mtp": lambda path, cfg: write_mtp(path, cfg, ROWS, 0.3),
           "peagle": lambda path, cfg: random_peagle(path, cfg, rows=ROWS, scale=0.3),
-          "peagle 2 layers": lambda path, cfg: random_peagle(path, cfg, rows=ROWS, scale=0.3, depth=2)}
+          "peagle 2 layers, first hidden": lambda path, cfg: random_peagle(path, cfg, rows=ROWS, scale=0.3, depth=2,
+                                                                           first_hidden=True)}
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 keeps the output exactly the target's.
 
 Greedy: method="peagle" gives token for token the AR output (float32 tiny target) for a random head of 1 and of 3
-decoder layers, K = 1..6 (sampling: test_head_laws.py). Training: EAGLE-3's unroll with mask inputs from step 1 on, on a successor-function target,
+decoder layers, and one whose mask rows read the first draft's hidden state, K = 1..6 (sampling: test_head_laws.py). Training: EAGLE-3's unroll with mask inputs from step 1 on, on a successor-function target,
 raises held-out acceptance at every position far above the untrained head's (can fail). A head of another family
 for the method is one line.
 """
@@ -21,17 +21,20 @@ from verispec.heads import PEagleConfig, PEagleHead, save_head
 
 
 
-def random_peagle(path, target_cfg, rows=None, seed: int = 0, scale: float = 0.15, depth: int = 1):
+def random_peagle(path, target_cfg, rows=None, seed: int = 0, scale: float = 0.15, depth: int = 1,
+                  first_hidden: bool = False):
     rows = list(range(target_cfg.vocab_size)) if rows is None else rows
-    config = replace(PEagleConfig.for_target(target_cfg, None, len(rows)), num_layers=depth)
+    config = replace(PEagleConfig.for_target(target_cfg, None, len(rows)), num_layers=depth, first_hidden=first_hidden)
     save_head(randomize(PEagleHead(config), rows, seed, scale), path, int8=False)
     return path
 
 
-@pytest.fixture(scope="module", params=[1, 3], ids=["1-layer", "3-layers"])
+@pytest.fixture(scope="module", params=[(1, False), (3, False), (2, True)],
+                ids=["1-layer", "3-layers", "2-layers-first-hidden"])
 def llm(tiny_dirs, tmp_path_factory, request):
     cfg = LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", progress=False).target.config
-    path = random_peagle(tmp_path_factory.mktemp("peagle") / "random", cfg, depth=request.param)
+    depth, first_hidden = request.param
+    path = random_peagle(tmp_path_factory.mktemp("peagle") / "random", cfg, depth=depth, first_hidden=first_hidden)
     return LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=str(path), progress=False)
 
 

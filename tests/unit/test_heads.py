@@ -366,6 +366,39 @@ def test_unroll_matches_step_inference(r, depth):
     assert (ref[2] - unrolled[2][0, r - 1:r]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("depth,first_hidden", [(1, False), (2, True)])
+def test_peagle_unroll_matches_parallel_inference(depth, first_hidden):
+    """P-EAGLE: the unroll's steps 1.. (mask rows) give what the drafter's one parallel pass of K-1 mask rows gives
+    after the catch-up (heads/peagle.py); a mask row that read its real token instead would differ."""
+    from dataclasses import replace
+
+    from verispec.heads import PEagleConfig, PEagleHead
+
+    torch.manual_seed(3)
+    c = PEagleConfig(D, I, H, HKV, HD, 1e-6, V, VD, (1, 2), 10000.0, True, 256, depth, first_hidden)
+    head = PEagleHead(c)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            p.copy_(torch.randn(p.shape) * 0.1 + (1.0 if "norm" in name else 0.0))
+    head.d2t = draft_ids(3)
+    head.attach_embedding(nn.Embedding(V, D))
+    steps, T, r = 4, 24, 9
+    g = torch.Generator().manual_seed(8)
+    feats, tokens = torch.randn(1, T, 2 * D, generator=g), torch.randint(0, V, (1, T), generator=g)
+    with torch.no_grad():
+        unrolled = unroll(head, feats, tokens, steps)
+    cache = head.new_cache(64, torch.float32, "cpu")
+    with torch.inference_mode():
+        first = head.step(head.fc(feats[:, :r + 1]), tokens[:, 1:r + 2], cache)[:, -1:]  # the catch-up
+        rows = head.parallel(steps - 1, cache, first)  # [1, steps - 1, D]
+        got = head.logits(rows)[0]
+    torch.testing.assert_close(head.logits(first)[0, 0], unrolled[0][0, r], rtol=1e-5, atol=1e-5)
+    for j in range(1, steps):
+        torch.testing.assert_close(got[j - 1], unrolled[j][0, r], rtol=1e-5, atol=1e-5)
+    assert (got[0] - unrolled[1][0, r - 1]).abs().max() > 1e-3  # negative control: another row's
+    assert replace(c, first_hidden=not first_hidden) != c and PEagleConfig.from_json(c.to_json(), target_config()) == c
+
+
 def test_unroll_batch_rows_independent():
     """Sequences of a batch do not see each other: batched unroll == each sequence alone."""
     head = random_head(seed=4, layers=(2,))

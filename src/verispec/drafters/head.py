@@ -90,7 +90,7 @@ class PEagleDrafter(HeadDrafter):
     def hiddens(self, hidden: torch.Tensor, K: int):
         yield hidden
         if K > 1:
-            rows = self.head.parallel(K - 1, self.cache)  # [1, K-1, D]
+            rows = self.head.parallel(K - 1, self.cache, hidden)  # [1, K-1, D]
             for i in range(K - 1):
                 yield rows[:, i:i + 1]
 

@@ -193,9 +193,9 @@ class Eagle3Head(DraftHead):
         """features [B, T, nD] -> fc(features) [B, T, D]."""
         return self.fc(features)
 
-    def step_inputs(self, j: int, emb: torch.Tensor, hidden: torch.Tensor):
+    def step_inputs(self, j: int, emb: torch.Tensor, hidden: torch.Tensor, first: torch.Tensor | None = None):
         """What chain step ``j`` reads (training's unroll): the next token's embedding and the previous step's hidden
-        state [B, T, D] each (P-EAGLE: learned mask inputs from step 1 on)."""
+        state [B, T, D] each (P-EAGLE: learned mask inputs from step 1 on; ``first``: step 0's output)."""
         return emb, hidden
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ per-position acceptance is lower than EAGLE-3's, the drafting cost K times lower
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -22,10 +22,17 @@ from .eagle3 import Eagle3Config, Eagle3Head
 
 @dataclass(frozen=True)
 class PEagleConfig(Eagle3Config):
+    first_hidden: bool = False  # mask rows read mask_hidden + the first draft's hidden state (not mask_hidden alone)
+
     family = "peagle"
 
+    @classmethod
+    def from_json(cls, raw: dict, target_cfg) -> PEagleConfig:
+        return replace(super().from_json(raw, target_cfg), first_hidden=bool(raw.get("mask_reads_first_hidden", False)))
+
     def to_json(self) -> dict:
-        return {**super().to_json(), "architectures": ["LlamaForCausalLMPEagle"]}
+        return {**super().to_json(), "architectures": ["LlamaForCausalLMPEagle"],
+                "mask_reads_first_hidden": self.first_hidden}
 
 
 class PEagleHead(Eagle3Head):
@@ -36,14 +43,20 @@ class PEagleHead(Eagle3Head):
         self.mask_hidden = nn.Parameter(torch.zeros(c.hidden_size))  # [D]: stands for the unknown previous hidden
         self.mask_embed = nn.Parameter(torch.zeros(c.hidden_size))  # [D]: stands for the unknown previous draft
 
-    def step_inputs(self, j: int, emb: torch.Tensor, hidden: torch.Tensor):
+    def step_inputs(self, j: int, emb: torch.Tensor, hidden: torch.Tensor, first: torch.Tensor | None = None):
         if j == 0:
             return emb, hidden
-        return self.mask_embed.to(emb.dtype).expand_as(emb), self.mask_hidden.to(hidden.dtype).expand_as(hidden)
+        return self.mask_embed.to(emb.dtype).expand_as(emb), self.mask_input(first)
+
+    def mask_input(self, first: torch.Tensor) -> torch.Tensor:
+        """What a mask row reads as its hidden state: mask_hidden [D], plus (first_hidden) the first draft's [B, T, D]."""
+        mask = self.mask_hidden.to(first.dtype).expand_as(first)
+        return mask + first if self.config.first_hidden else mask
 
     @torch.inference_mode()
-    def parallel(self, n: int, cache: KVCache) -> torch.Tensor:
-        """n mask rows at the cache's next positions -> their output hidden states [1, n, D] (row i: draft i + 2)."""
+    def parallel(self, n: int, cache: KVCache, first: torch.Tensor) -> torch.Tensor:
+        """n mask rows at the cache's next positions, first [1, 1, D] (the first draft's hidden state) -> their output
+        hidden states [1, n, D] (row i: draft i + 2)."""
         D, dtype = self.config.hidden_size, self.dtype
-        mask_embed, mask_hidden = (p.to(dtype).expand(1, n, D) for p in (self.mask_embed, self.mask_hidden))
-        return self.layers_forward(mask_embed, mask_hidden, cache)
+        return self.layers_forward(self.mask_embed.to(dtype).expand(1, n, D), self.mask_input(first.expand(1, n, D)),
+                                   cache)

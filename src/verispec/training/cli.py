@@ -58,6 +58,9 @@ def add_train_parser(sub) -> None:
     p.add_argument("--head-layers", type=_positive, default=None, metavar="N",
                    help="the head's depth: decoder layers (eagle3, peagle), ResBlocks per head (medusa); an MTP module "
                         "is one layer (default 1)")
+    p.add_argument("--mask-first-hidden", action="store_true",
+                   help="--arch peagle: the mask rows also read the first draft's hidden state (not a learned constant "
+                        "alone)")
     p.add_argument("--draft-vocab", type=_positive, default=d.draft_vocab, metavar="N",
                    help=f"tokens the head may propose: the N the target predicts most often in the data (default {d.draft_vocab})")
     p.add_argument("--steps", type=_positive, default=d.steps, help=f"optimizer steps (default {d.steps})")
@@ -130,6 +133,8 @@ def run_train(args) -> int:
     recipe = RECIPES[args.arch]
     llm = LLM(args.target, progress=progress and rank == 0)
     start = None  # continual training: the head to start from
+    if args.mask_first_hidden and (args.arch != "peagle" or args.init not in ("target", "random")):
+        raise VerispecError("--mask-first-hidden: only for a new --arch peagle head")
     if args.keep_draft_vocab and args.init in ("target", "random"):
         raise VerispecError("--keep-draft-vocab: only with --init HEAD_DIR (a head whose draft tokens to keep)")
     if args.init not in ("target", "random"):
@@ -195,7 +200,8 @@ def run_train(args) -> int:
             head.freeze_target_rows(target.model)
         head.lm_head.weight.requires_grad_(False)
     else:
-        head = recipe.build(target.config, layers, cfg.draft_vocab, args.head_layers or 1)
+        options = {"first_hidden": True} if args.mask_first_hidden else {}
+        head = recipe.build(target.config, layers, cfg.draft_vocab, args.head_layers or 1, **options)
         head.d2t = draft_vocabulary(train["topk_ids"][..., 0], head.config.draft_vocab_size, head.config.vocab_size,
                                     eos)
         recipe.init(head, target.model, cfg.init, cfg.seed)

@@ -24,11 +24,12 @@ class Recipe:
     # (forward module, batch, Labels, steps) -> (loss, [steps] greedy hits, [steps] rows reached)
     loss: Callable[[nn.Module, dict, Labels, int], tuple[torch.Tensor, list[int], list[int]]]
 
-    def build(self, cfg: ModelConfig, layers: tuple[int, ...] | None, draft_vocab_size: int,
-              depth: int = 1) -> DraftHead:
+    def build(self, cfg: ModelConfig, layers: tuple[int, ...] | None, draft_vocab_size: int, depth: int = 1,
+              **options) -> DraftHead:
         """A head of this family for the target ``cfg`` (its d2t the identity until the caller sets it); ``depth``:
-        its config's ``num_layers`` (decoder layers, Medusa's ResBlocks per head)."""
-        return self.head(replace(self.head.Config.for_target(cfg, layers, draft_vocab_size), num_layers=depth))
+        its config's ``num_layers`` (decoder layers, Medusa's ResBlocks per head); ``options``: more config fields."""
+        config = self.head.Config.for_target(cfg, layers, draft_vocab_size)
+        return self.head(replace(config, num_layers=depth, **options))
 
 
 class Labels:

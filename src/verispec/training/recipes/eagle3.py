@@ -72,7 +72,7 @@ def unroll(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, steps
     next_tokens = torch.cat([tokens[:, 1:], pad, pad[:, :1]], dim=1)  # [B, T + steps]: x_{r+1}, 0 past the end
     hidden = head.fuse(features)  # [B, T, D]
     causal = torch.ones(T, T, dtype=torch.bool, device=features.device).tril()  # [T, T]
-    keys = [[] for _ in range(1 + len(head.extra))]  # per decoder layer, per step: (k, v) [B, Hkv, T, hd]
+    keys, first = [[] for _ in range(1 + len(head.extra))], None  # per decoder layer, per step: (k, v) [B, Hkv, T, hd]
     out = []
     for j in range(steps):
         positions = torch.arange(j, T + j, device=features.device)[None].expand(B, T)
@@ -81,10 +81,11 @@ def unroll(head: Eagle3Head, features: torch.Tensor, tokens: torch.Tensor, steps
         def attend(a, x, cache):
             return chain_attention(a, x, cos, sin, cache, causal)
 
-        emb, hidden = head.step_inputs(j, head.embed(next_tokens[:, j:j + T]).to(hidden.dtype), hidden)
+        emb, hidden = head.step_inputs(j, head.embed(next_tokens[:, j:j + T]).to(hidden.dtype), hidden, first)
         hidden = m.finish(hidden, attend(m.self_attn, m.inputs(emb, hidden), keys[0]))  # x: [B, T, 2D]
         for layer, cache in zip(head.extra, keys[1:]):
             hidden = layer(hidden, lambda a, x, cache=cache: attend(a, x, cache))
+        first = hidden if j == 0 else first  # [B, T, D]: step 0's output, what P-EAGLE's mask rows may read
         out.append(head.logits(hidden))
     return out
 
