@@ -218,7 +218,8 @@ def run_train(args) -> int:
     final = trainer.run(progress)
     if rank == 0:
         print(f"head written to {out} (held-out tau {final.get('heldout_tau')})", file=sys.stderr)
-    if world > 1:
+    if world > 1:  # every rank done (rank 0 has written the head) before gloo's threads are torn down: a rank that
+        torch.distributed.barrier()  # left early aborted now and then ("terminate called without an active exception")
         torch.distributed.destroy_process_group()
     return 0
 
