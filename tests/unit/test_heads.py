@@ -396,7 +396,13 @@ def test_peagle_unroll_matches_parallel_inference(depth, first_hidden):
     for j in range(1, steps):
         torch.testing.assert_close(got[j - 1], unrolled[j][0, r], rtol=1e-5, atol=1e-5)
     assert (got[0] - unrolled[1][0, r - 1]).abs().max() > 1e-3  # negative control: another row's
-    assert replace(c, first_hidden=not first_hidden) != c and PEagleConfig.from_json(c.to_json(), target_config()) == c
+    assert PEagleConfig.from_json(c.to_json(), target_config()) == c
+    other = PEagleHead(replace(c, first_hidden=not first_hidden))  # the same weights, the other mask input
+    other.load_state_dict(head.state_dict())
+    other.d2t = head.d2t
+    other.attach_embedding(head.embed)
+    with torch.no_grad():
+        assert (unroll(other, feats, tokens, steps)[1][0, r] - unrolled[1][0, r]).abs().max() > 1e-3
 
 
 def test_unroll_batch_rows_independent():
