@@ -123,8 +123,9 @@ def test_greedy_identity(llms, layout, K):
 
 
 def test_heads_of_several_families_serve_their_methods_and_auto(tiny_dirs, heads, target_cfg, tmp_path):
-    """--head given twice (an MTP module and an EAGLE-3 head): each method drafts with its family's, auto may choose
-    either, all exact; two heads of one family are one line."""
+    """--head given twice (an MTP module and an EAGLE-3 head, reading different target layers): each method drafts
+    with its family's; auto explores both (each handed its own layers' features), all exact; two heads of one family
+    are one line."""
     eagle = random_eagle_head(tmp_path / "eagle", target_cfg)
     llm = LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=[str(heads["ours"]), str(eagle)], progress=False)
     params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
@@ -135,7 +136,8 @@ def test_heads_of_several_families_serve_their_methods_and_auto(tiny_dirs, heads
         assert out.token_ids == want, method
         rounds[method] = out.stats.get("drafter_rounds", {})
     assert {h.config.family for h in llm.draft_heads()} == {"mtp", "eagle3"}
-    assert set(rounds["auto"]) <= {"ngram", "eagle", "mtp"}
+    assert {"eagle", "mtp"} <= set(rounds["auto"]) <= {"ngram", "eagle", "mtp"}, rounds["auto"]
+    assert llm.draft_head("mtp", "mtp").feature_layers != llm.draft_head("eagle", "eagle3").feature_layers
     with pytest.raises(VerispecError, match="two mtp heads given"):
         LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=[str(heads["ours"]), str(heads["mimo"])],
             progress=False).draft_head()

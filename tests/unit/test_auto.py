@@ -5,6 +5,8 @@ test_engine_speculation.py), and no speculation (a plain target step) against dr
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -428,3 +430,28 @@ def test_a_drafter_written_off_earlier_is_tried_again_when_its_record_grows_old(
     # from then on the draft model drafts, the head once every IDLE_ROUNDS rounds
     assert "draft" in then[:IDLE_ROUNDS] and then[30:].count("head") <= 60 // IDLE_ROUNDS, then
 
+
+
+class Reader(Lookup):
+    """A cheap drafter that reads the target's features at ``feature_layers`` and keeps the last it was handed."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.feature_layers, self.tokens, self.last_match = tuple(layers), [5], 4
+
+    def propose(self, request):
+        self.seen = request.features
+        return super().propose(request)
+
+
+@pytest.mark.parametrize("second", [(28,), (25, 2), (14, 25)])
+def test_each_delegate_is_handed_the_features_of_its_own_layers(second):
+    """The engine keeps every layer any delegate reads, once (order first asked for); each delegate gets exactly
+    its own layers' columns, in its order (a Medusa head on the last stream beside an EAGLE-3 head on three)."""
+    first, H = Reader((2, 14, 25)), 3
+    auto = AutoDrafter({"a": first, "b": Reader(second)}, 1, 4)
+    assert auto.feature_layers == (2, 14, 25) + tuple(i for i in second if i not in (2, 14, 25))
+    stream = {layer: torch.randn(10, H) for layer in auto.feature_layers}  # [n, H] a layer
+    auto.propose(replace(request(), features=torch.cat([stream[i] for i in auto.feature_layers], -1)))
+    for d in auto.drafters.values():
+        assert torch.equal(d.seen, torch.cat([stream[i] for i in d.feature_layers], -1)), d.feature_layers

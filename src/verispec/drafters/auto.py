@@ -128,8 +128,12 @@ class AutoDrafter(Drafter):
     def __init__(self, drafters: dict[str, object], k_min: int, k_max: int, allow_no_spec: bool = True,
                  memory: dict | None = None):
         self.drafters = drafters
-        # the target hidden states a delegate reads (an EAGLE head): the engine keeps them for all
-        self.feature_layers = next((tuple(d.feature_layers) for d in drafters.values() if d.feature_layers), ())
+        # the target hidden states its delegates read (draft heads), each layer once, in the order first asked for:
+        # the engine keeps them all, and each delegate is handed the columns of its own layers (_for)
+        layers: list[int] = []
+        for d in drafters.values():
+            layers += [i for i in d.feature_layers if i not in layers]
+        self.feature_layers = tuple(layers)
         self.k_min, self.k_max = k_min, k_max
         self.allow_no_spec = allow_no_spec  # a plain target step (K = 0) may be chosen
         self._memories = memory  # kept across requests: key -> AutoMemory, looked up in the first round
@@ -148,6 +152,22 @@ class AutoDrafter(Drafter):
 
     def delegates(self) -> dict[str, Drafter]:
         return self.drafters
+
+    def _for(self, d: Drafter, request: DraftRequest) -> DraftRequest:
+        """``request`` as delegate ``d`` reads it: of the features the engine kept (``self.feature_layers``), the
+        columns of ``d``'s own layers in its order; a view when they lie side by side, as for heads whose layers
+        are all of the kept ones or a run of them."""
+        mine = tuple(d.feature_layers)
+        if request.features is None or not mine or mine == self.feature_layers:
+            return request
+        H = request.features.shape[-1] // len(self.feature_layers)  # one residual stream's width
+        at = [self.feature_layers.index(i) for i in mine]
+        if at == list(range(at[0], at[0] + len(at))):
+            features = request.features[..., at[0] * H:(at[-1] + 1) * H]  # [n, len(mine) * H], a view
+        else:
+            cols = torch.cat([torch.arange(j * H, (j + 1) * H, device=request.features.device) for j in at])
+            features = request.features.index_select(-1, cols)  # [n, len(mine) * H]
+        return replace(request, features=features)
 
     def _use(self, memory: AutoMemory) -> None:
         self.memory = memory
@@ -240,7 +260,7 @@ class AutoDrafter(Drafter):
     def _seeded(self, request: DraftRequest) -> Draft:
         """A seeded sample's round: its one delegate drafts the request's K (module docstring)."""
         name, d = next(((n, d) for n, d in self.drafters.items() if not d.cheap), next(iter(self.drafters.items())))
-        draft = d.propose(request)
+        draft = d.propose(self._for(d, request))
         if not draft.tokens.shape[1]:  # a lookup that found nothing
             return self._plain_step(request)
         if not d.cheap:
@@ -263,7 +283,7 @@ class AutoDrafter(Drafter):
         options = []
         for name, d in self.drafters.items():
             if d.cheap:  # propose now, value the draft it really has
-                draft = d.propose(request)
+                draft = d.propose(self._for(d, request))
                 if draft.tokens.shape[1]:
                     ctl = self.controller(name, d.last_match)
                     K = ctl.choose(draft.tokens.shape[1])
@@ -300,7 +320,7 @@ class AutoDrafter(Drafter):
             return self._plain_step(request)
         if draft is None:  # a drafter that ends its rounds itself (early_stop) gets the largest K as its cap
             cap = request.num_tokens if d.early_stop else K
-            draft = d.propose(replace(request, num_tokens=cap))
+            draft = d.propose(self._for(d, replace(request, num_tokens=cap)))
             self.catch_up = d.catch_up  # the engine keeps it out of the draft cost, and learns it for ``name``
         self._round = (d, ctl, draft.tokens.shape[1], None if d.cheap else name)
         return replace(draft, source=name)
