@@ -64,7 +64,7 @@ def add_model_args(p: argparse.ArgumentParser, compare_draft_quant: bool = False
     p.add_argument("--head", action="append", default=None, metavar="DIR",
                    help="draft head for --method eagle (EAGLE-3), peagle, medusa or mtp (verispec train-head, or a "
                         "public EAGLE-3 / SpecForge / Medusa / MTP checkpoint for this target); repeatable, one a family "
-                        "(auto and bench use them all); default: the head that ships for the default target")
+                        "(auto and bench use them all); default: the heads that ship for the default target (EAGLE-3, Medusa)")
     p.add_argument("--draft-vocab-table", default=None, metavar="FILE",
                    help="token-frequency table for --draft-vocab (python -m verispec.draft_vocab)")
 

@@ -20,7 +20,7 @@ from .errors import ConfigError, VerispecError
 from .heads import DraftHead, load_head
 from .models.kv_cache import PrefixCache
 from .models.loader import LoadedModel, auto_dtype, load
-from .models.registry import DEFAULT_DRAFT, DEFAULT_HEAD, DEFAULT_TARGET
+from .models.registry import DEFAULT_DRAFT, DEFAULT_HEADS, DEFAULT_TARGET
 from .spec.costs import Costs
 from .frontend import fit_context
 from .sampling import Grammars, TokenLogprob
@@ -75,9 +75,8 @@ class LLM:
         self.device = self.engine_config.resolved_device()
         self._draft_source = draft or DEFAULT_DRAFT.get(target)
         given = [head] if isinstance(head, (str, Path)) else list(head or [])
-        default = DEFAULT_HEAD.get(target)
-        self._head_sources = [str(h) for h in given] or ([default] if default else [])
-        self._head_given = bool(given)
+        shipped = [h for h in DEFAULT_HEADS.get(target, []) if Path(h).exists()]
+        self._head_sources = [str(h) for h in given] or [str(h) for h in shipped]
         self._heads: list[DraftHead] | None = None  # loaded on first use, in the order given
         ec = self.engine_config
         self.dtype = (auto_dtype(target, ec.weights, self.device, self._draft_source) if ec.dtype == "auto"
@@ -119,14 +118,14 @@ class LLM:
 
     @property
     def has_head(self) -> bool:
-        """Whether a draft head was given (then it must load: a bad one is an error, not skipped) or ships for this
+        """Whether a draft head was given (then it must load: a bad one is an error, not skipped) or one ships for this
         target."""
-        return self._head_given or any(Path(h).exists() for h in self._head_sources)
+        return bool(self._head_sources)
 
     def draft_heads(self) -> list[DraftHead]:
-        """Every draft head (``head=``: one or a list, at most one a family; default: the one that ships for the default
-        target; any family heads/io.py reads), loaded and checked against the target on first use: the target's parts
-        it reads and, when the file has no LM head, the target's rows for its draft vocabulary; int8 on CPU."""
+        """Every draft head (``head=``: one or a list, at most one a family; default: those that ship for the target,
+        one a family; any family heads/io.py reads), loaded and checked against the target on first use: the target's
+        parts it reads and, when the file has no LM head, the target's rows for its draft vocabulary; int8 on CPU."""
         if self._heads is None:
             heads = [load_head(h, self.target, self.device, self.dtype) for h in self._head_sources]
             families = [h.config.family for h in heads]

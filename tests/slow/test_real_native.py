@@ -17,7 +17,8 @@ pytestmark = pytest.mark.slow
 # and drafts differ most (prose: long draft-model rounds and lookups that rarely hit; chat: the chat template)
 RUNS = [("code", "draft", 4), ("code", "draft", 8), ("code", "ngram", 4), ("code", "auto", 4),
         ("prose", "draft", 8), ("prose", "ngram", 4), ("chat", "draft", 4), ("chat", "auto", 4),
-        ("code", "eagle", 4), ("chat", "eagle", 6)]  # eagle: the head that ships for the default target
+        ("code", "eagle", 4), ("chat", "eagle", 6), ("code", "medusa", 1), ("chat", "medusa", 4)]
+# eagle, medusa: the heads that ship for the default target; auto uses both (each reads its own target layers)
 
 
 @pytest.fixture(scope="module")

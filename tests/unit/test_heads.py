@@ -416,3 +416,17 @@ def test_unroll_batch_rows_independent():
             alone = unroll(head, feats[b:b + 1], tokens[b:b + 1], 3)
             for j in range(3):
                 torch.testing.assert_close(alone[j][0], both[j][b], rtol=1e-5, atol=1e-5)
+
+
+def test_the_heads_that_ship_are_one_a_family_and_small():
+    """Each shipped head's directory is named for its family, says so in config.json, and stays small (the repository
+    carries every replaced version in its history)."""
+    import json
+
+    from verispec.models.registry import DEFAULT_HEADS, DEFAULT_TARGET
+
+    shipped = DEFAULT_HEADS[DEFAULT_TARGET]
+    families = [json.loads((d / "config.json").read_text())["family"] for d in shipped]
+    assert families == [d.name.rsplit(".", 1)[1] for d in shipped] and len(set(families)) == len(families)
+    size = {f: sum(p.stat().st_size for p in d.iterdir()) for f, d in zip(families, shipped)}
+    assert size["medusa"] <= 15e6 and size["eagle3"] <= 60e6, size

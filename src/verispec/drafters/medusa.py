@@ -30,7 +30,7 @@ class MedusaDrafter(Drafter):
         K = min(request.num_tokens, head.config.num_heads)
         row = request.features[len(ctx) - 2][None, None].to(head.dtype)  # [1, 1, D]: the row that chose ctx[-1]
         with torch.inference_mode():
-            per_head = head.head_logits(head.fuse(row))[:K]  # K x [1, 1, Vd]
+            per_head = head.head_logits(head.fuse(row), K)  # K x [1, 1, Vd]: only the heads drafting
         chain, tokens, probs = chain_of(request), [], []
         for logits in per_head:
             logits = mask_logits(to_target_vocab(logits[:, -1], head.d2t, request.vocab_size), request.logit_mask)

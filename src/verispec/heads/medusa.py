@@ -118,11 +118,11 @@ class MedusaHead(DraftHead):
         """features [B, T, D] (the last residual stream) -> the target's final norm of it [B, T, D]."""
         return self.norm(features.to(self.norm.weight.dtype)).to(features.dtype)
 
-    def head_logits(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        """hidden [B, T, D] (fused) -> per head k the draft-vocabulary logits [B, T, Vd] float32 of the token at
-        r + k + 2."""
+    def head_logits(self, hidden: torch.Tensor, heads: int | None = None) -> list[torch.Tensor]:
+        """hidden [B, T, D] (fused) -> per head k < ``heads`` (default all) the draft-vocabulary logits [B, T, Vd]
+        float32 of the token at r + k + 2."""
         out = []
-        for k, block in enumerate(self.blocks):
+        for k, block in enumerate(self.blocks[:heads]):
             h = block(hidden)
             lm = self.lm_heads[k] if self.config.own_lm_heads else self.lm_head
             out.append(lm(h).float())
@@ -130,7 +130,7 @@ class MedusaHead(DraftHead):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, T, D] -> the first head's logits [B, T, Vd] (DraftHead's one-step view)."""
-        return self.head_logits(hidden)[0]
+        return self.head_logits(hidden, 1)[0]
 
     def freeze_target_rows(self, target: nn.Module) -> None:
         if not self.config.own_lm_heads:

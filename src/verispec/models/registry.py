@@ -60,7 +60,8 @@ REGISTRY: dict[str, RegistryEntry] = {
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = {DEFAULT_TARGET: "qwen2.5-coder-0.5b-instruct"}
 HEADS_DIR = Path(__file__).resolve().parents[1] / "data" / "heads"  # draft heads that ship with the package
-DEFAULT_HEAD = {DEFAULT_TARGET: HEADS_DIR / f"{DEFAULT_TARGET}.eagle3"}  # verispec train-head (docs/BENCHMARKS.md)
+# the draft heads that ship for a target, one a family (verispec train-head; docs/BENCHMARKS.md "Draft heads")
+DEFAULT_HEADS = {DEFAULT_TARGET: [HEADS_DIR / f"{DEFAULT_TARGET}.{family}" for family in ("eagle3", "medusa")]}
 DONE_MARK = "verispec-converted.json"
 FORMAT = 2  # bump when conversion output changes; older directories are converted again
 
