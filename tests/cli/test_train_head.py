@@ -263,6 +263,11 @@ def test_error_resume_without_checkpoint(target, corpus, tmp_path, capsys):
     assert "--resume" in line and "checkpoint" in line, line
 
 
+def test_error_negative_step_weight(target, corpus, tmp_path, capsys):
+    line = one_error_line(args(target, corpus, tmp_path / "out", None, 1, "--step-weight", "-0.5"), capsys)
+    assert "--step-weight -0.5" in line and ">= 0" in line, line
+
+
 def test_error_unknown_arch(target, corpus, tmp_path, capsys):
     """--arch takes the families with a training recipe (training/recipes/)."""
     line = one_error_line(args(target, corpus, tmp_path / "out", None, 1, "--arch", "medusa-9"), capsys)

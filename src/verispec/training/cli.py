@@ -78,6 +78,10 @@ def add_train_parser(sub) -> None:
     p.add_argument("--ttt-steps", type=_positive, default=d.ttt_steps,
                    help=f"training-time test: steps the head is unrolled on its own outputs (default {d.ttt_steps})")
     p.add_argument("--lr", type=float, default=d.lr, help=f"peak AdamW learning rate (default {d.lr})")
+    p.add_argument("--schedule", choices=["cosine", "constant"], default=d.schedule,
+                   help="learning rate after the warm-up: cosine to 10%% of --lr (default) or constant")
+    p.add_argument("--step-weight", type=float, default=d.step_weight, metavar="W",
+                   help=f"the loss of unroll step j (Medusa: head j) weighted W ** j (default {d.step_weight})")
     p.add_argument("--batch", type=_positive, default=d.batch, help="sequences per step and process (default 1)")
     p.add_argument("--init", default=d.init, metavar="target|random|HEAD_DIR",
                    help="the head's layer starts as the target's last layer (default), random, or as the head in "
@@ -117,6 +121,8 @@ def run_train(args) -> int:
     for path in args.data:
         if not Path(path).exists():
             raise VerispecError(f"--data {path}: no such file or directory")
+    if not args.step_weight >= 0:
+        raise VerispecError(f"--step-weight {args.step_weight}: a weight >= 0 (1 weighs every unroll step alike)")
     ckpt = out / "checkpoint.pt"
     if args.resume and not ckpt.exists():
         raise VerispecError(f"--resume: no checkpoint at {ckpt}")

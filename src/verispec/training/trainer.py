@@ -40,6 +40,8 @@ class TrainConfig:
     ckpt_every: int = 100
     eval_every: int = 100
     warmup: int = 50
+    step_weight: float = 0.8  # EAGLE-3: the loss of unroll step j weighted step_weight ** j
+    schedule: str = "cosine"  # after warm-up: "cosine" to 10% of lr, or "constant"
 
 
 def load_split(features_dir: Path, split: str, pick: tuple[int, ...] | None = None, stored: int = 1,
@@ -115,6 +117,8 @@ class Trainer:
         c = self.cfg
         if step < c.warmup:
             return c.lr * (step + 1) / c.warmup
+        if c.schedule == "constant":
+            return c.lr
         t = (step - c.warmup) / max(c.steps - c.warmup, 1)
         return c.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, 1.0))))
 
@@ -132,7 +136,7 @@ class Trainer:
             for g in self.opt.param_groups:
                 g["lr"] = self.lr_at(self.step)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-                loss, hits, reached = self.recipe.loss(self.model, batch, self.labels, c.ttt_steps)
+                loss, hits, reached = self.recipe.loss(self.model, batch, self.labels, c.ttt_steps, c.step_weight)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in self.head.parameters() if p.requires_grad], 0.5)
@@ -158,7 +162,7 @@ class Trainer:
         for i in range(h["tokens"].shape[0]):
             batch = {k: v[i:i + 1] for k, v in h.items()}
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-                loss, hh, rr = self.recipe.loss(self.forward, batch, self.labels, self.cfg.ttt_steps)
+                loss, hh, rr = self.recipe.loss(self.forward, batch, self.labels, self.cfg.ttt_steps, self.cfg.step_weight)
             losses.append(loss.item())
             hits = [a + b for a, b in itertools.zip_longest(hits, hh, fillvalue=0)]
             reached = [a + b for a, b in itertools.zip_longest(reached, rr, fillvalue=0)]

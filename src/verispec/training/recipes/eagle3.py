@@ -13,7 +13,6 @@ from ...heads.peagle import PEagleHead
 from ...models.llama import MASKED
 from .base import Labels, Recipe, start
 
-STEP_WEIGHT = 0.8  # EAGLE-3: step j's loss weighted 0.8^j
 
 
 def init(head: Eagle3Head, target: nn.Module, init: str, seed: int) -> None:
@@ -108,9 +107,9 @@ def chain_attention(a, x: torch.Tensor, cos, sin, keys: list, causal: torch.Tens
     return a.out(o.reshape(B, a.h, T, a.hd))
 
 
-def chain_loss(model: nn.Module, batch: dict, labels: Labels, steps: int):
-    """model(features, tokens, steps) -> unroll's logits. -> (weighted loss, [steps] rows where the chain's greedy
-    pick matched so far, [steps] rows reached)."""
+def chain_loss(model: nn.Module, batch: dict, labels: Labels, steps: int, weight: float = 0.8):
+    """model(features, tokens, steps) -> unroll's logits. -> (loss, step j's weighted ``weight`` ** j as in EAGLE-3;
+    [steps] rows where the chain's greedy pick matched so far; [steps] rows reached)."""
     tokens, feats = batch["tokens"].long(), batch["features"].float()
     p, top1 = labels(batch["topk_ids"], batch["topk_logp"])  # [B, T, Vd], [B, T]
     T = tokens.shape[1]
@@ -120,7 +119,7 @@ def chain_loss(model: nn.Module, batch: dict, labels: Labels, steps: int):
     for j, logits in enumerate(step_logits):
         n = T - j - 1  # rows r with a label at r + j + 1
         lg, pj, tj = logits[:, :n], p[:, j + 1:], top1[:, j + 1:]
-        loss = loss + STEP_WEIGHT ** j * -(pj * F.log_softmax(lg.float(), -1)).sum(-1).mean()
+        loss = loss + weight ** j * -(pj * F.log_softmax(lg.float(), -1)).sum(-1).mean()
         with torch.no_grad():
             ok = lg.argmax(-1) == tj  # [B, n]
             reached.append(ok.numel() if alive is None else int(alive[:, :n].sum()))
