@@ -81,10 +81,8 @@ static void tile_vnni(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt,
   for (int64_t i = 0; i < M * NR; ++i) out[i] = _mm512_reduce_add_epi32(acc[i]);
 }
 
-// plain C++; inlined into tile_portable and into tile_avx2, which the compiler vectorizes with AVX2 (integer
-// sums: both give the same result)
-__attribute__((always_inline)) inline void tile_plain(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt,
-                                                      int32_t* out) {
+// plain C++, the reference path (any x86-64): the sums the vector paths must match
+static void tile_portable(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt, int32_t* out) {
   const int64_t chunks = Kp / KC;
   for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < NR; ++j) {
@@ -98,13 +96,56 @@ __attribute__((always_inline)) inline void tile_plain(const uint8_t* x, int64_t 
     }
 }
 
-static void tile_portable(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt, int32_t* out) {
-  tile_plain(x, M, Kp, wt, out);
+// AVX2 (no VNNI): vpmaddubsw multiplies unsigned by signed bytes into saturating int16 pair sums, so it is fed
+// |w| and sign(w) * x with x back to signed (q = x - 128, |q| <= 127): a pair is at most 2 * 127 * 127 = 32,258,
+// never saturated, and vpmaddwd widens the pairs into int32. Its sums are sum(q * w) itself, so the epilogue
+// subtracts no 128 * rowsum for them: exact integers, the same result as the other paths.
+template <int MR>
+__attribute__((target("avx2"))) static inline void block_avx2(const uint8_t* x, int64_t ldx, const int8_t* w,
+                                                              int64_t c0, int64_t c1, __m256i* acc /* [MR][NR] */) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+  __m256i c[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) c[i][j] = acc[i * NR + j];
+  for (int64_t ch = c0; ch < c1; ++ch) {
+    const int8_t* wc = w + ch * NR * KC;
+    for (int l = 0; l < NR; ++l) _mm_prefetch(reinterpret_cast<const char*>(wc + PF + l * KC), _MM_HINT_T0);
+    for (int h = 0; h < KC; h += 32) {
+      __m256i a[MR];
+      for (int i = 0; i < MR; ++i)
+        a[i] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i * ldx + ch * KC + h)), flip);
+      for (int j = 0; j < NR; ++j) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wc + j * KC + h));
+        const __m256i babs = _mm256_sign_epi8(b, b);  // |w| (w >= -127)
+        for (int i = 0; i < MR; ++i)
+          c[i][j] = _mm256_add_epi32(c[i][j],
+                                     _mm256_madd_epi16(_mm256_maddubs_epi16(babs, _mm256_sign_epi8(a[i], b)), ones));
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i * NR + j] = c[i][j];
+}
+
+__attribute__((target("avx2"))) static inline int32_t hsum_avx2(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
 }
 
 __attribute__((target("avx2"))) static void tile_avx2(const uint8_t* x, int64_t M, int64_t Kp, const int8_t* wt,
-                                                      int32_t* out) {
-  tile_plain(x, M, Kp, wt, out);
+                                                      int32_t* out /* [M][NR] */) {
+  __m256i acc[kMaxRows * NR];
+  for (int64_t i = 0; i < M * NR; ++i) acc[i] = _mm256_setzero_si256();
+  const int64_t chunks = Kp / KC, cb = KB / KC;
+  for (int64_t c0 = 0; c0 < chunks; c0 += cb) {  // a block of weights stays in L1 while every row reads it
+    const int64_t c1 = c0 + cb < chunks ? c0 + cb : chunks;
+    int64_t m = 0;
+    for (; m + 2 <= M; m += 2) block_avx2<2>(x + m * Kp, Kp, wt, c0, c1, acc + m * NR);
+    if (m < M) block_avx2<1>(x + m * Kp, Kp, wt, c0, c1, acc + m * NR);
+  }
+  for (int64_t i = 0; i < M * NR; ++i) out[i] = hsum_avx2(acc[i]);
 }
 
 }  // namespace
@@ -129,6 +170,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
   const int8_t* wp = packed.data_ptr<int8_t>();
   const Output out(x, M, N);
   const bool vec = has_vnni(), avx2 = has_avx2();
+  const int32_t offset = avx2 ? 0 : 128;  // the uint8 paths' dots carry 128 * rowsum (the AVX2 path's do not)
   at::parallel_for(0, tiles, 8, [&](int64_t t0, int64_t t1) {
     int32_t dots[kMaxRows * NR];
     for (int64_t t = t0; t < t1; ++t) {
@@ -148,7 +190,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& packed, c
       for (int64_t j = 0; j < NR && t * NR + j < N; ++j) {
         const int64_t n = t * NR + j;
         for (int64_t m = 0; m < M; ++m) {
-          const int32_t d = dots[m * NR + j] - 128 * rs[n];
+          const int32_t d = dots[m * NR + j] - offset * rs[n];
           out.set(m, n, static_cast<float>(d) * sx[m] * sw[n] + (bp ? bp[n] : 0.0f));
         }
       }
