@@ -31,7 +31,9 @@ of each drafter, a round's verify cost per size, each drafter's catch-up per tok
   would choose, while a draft model that stops early drafts fewer, and it ran optimistic for a cheap head.
 - What a drafter delivered fades every round, drafted or not, and IDLE_ROUNDS rounds after it last drafted it
   drafts once more (if its catch-up is cheap, RETRY_MAX_CATCH_UP), so a choice made on earlier text, or in an
-  earlier request, is revisited (docs/BENCHMARKS.md, "auto").
+  earlier request, is revisited (docs/BENCHMARKS.md, "auto"). While plain steps win, that revisit is their retry
+  and waits for their back-off (below): where no drafter pays (verify costs steep, as on AVX2), every drafter's
+  revisit each IDLE_ROUNDS rounds cost more than the back-off saved.
 - The acceptance and the deliveries auto learns are kept across requests (``memory``, held by the LLM per drafter
   set, K range and sampling setting; the costs live in the engine's store): a new request starts from the last
   one's, so a drafter is not explored again on every request (the head's first round reads the whole prompt; on
@@ -141,6 +143,7 @@ class AutoDrafter(Drafter):
         self._use(AutoMemory())
         self.plain_rounds = 0  # plain rounds chosen in a row since the last drafter round
         self.retry_after = NO_SPEC_RETRY  # plain rounds before the best drafter drafts again
+        self.plain_phase = False  # plain steps win (since the last round a drafter won on its value)
         self._round: tuple | None = None  # (drafter, controller, K, its name if expensive) of this round;
         # drafter None: a plain step
         self.catch_up = (0, 0.0)  # the chosen delegate's catch-up this round (tokens, seconds beyond drafting)
@@ -239,8 +242,9 @@ class AutoDrafter(Drafter):
         if plain is None or ctl.rounds == 0:  # nothing to compare, or a drafter never measured: it drafts
             return False
         if value >= margin * plain:  # a drafter wins: the back-off starts over
-            self.plain_rounds, self.retry_after = 0, NO_SPEC_RETRY
+            self.plain_rounds, self.retry_after, self.plain_phase = 0, NO_SPEC_RETRY, False
             return False
+        self.plain_phase = True
         if self.plain_rounds < self.retry_after or catch_up > RETRY_MAX_CATCH_UP * interpolate(self.t_verify, 1):
             self.plain_rounds += 1
             return True
@@ -312,6 +316,12 @@ class AutoDrafter(Drafter):
         best = max(pool, key=lambda o: o[0])  # the first on ties
         value, name, d, ctl, K, draft, spent = best
         exploring = any(o is best for o in untried)
+        done = self.memory.realized.get(name)
+        if exploring and self.plain_phase and done is not None and done.count >= EXPLORE_ROUNDS:
+            # a record gone stale while plain steps win: its revisit is their retry, and waits for the back-off
+            if self.plain_rounds < self.retry_after:
+                self.plain_rounds += 1
+                return self._plain_step(request)
         if exploring and self.plain_rounds:  # it drafts in the middle of plain rounds: that was their retry
             self.plain_rounds, self.retry_after = 0, min(2 * self.retry_after, NO_SPEC_RETRY_MAX)
         # valued by what it delivered, or by the model of its acceptance (a cheap draft, a record gone stale)
