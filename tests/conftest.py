@@ -12,6 +12,16 @@ DEFAULT_THREADS = torch.get_num_threads()
 os.environ.setdefault("VERISPEC_NATIVE_CACHE", "0")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """The suite runs in two xdist workers (pyproject's addopts). The real-weight tests all go to one of them, in
+    turn, so that only one loads the default models at a time (the suite's peak memory: one float32 1.5B model in
+    one worker beside the tiny models in the other); xdist hands out the largest group first."""
+    for item in items:
+        if item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.xdist_group("real-weights"))
+
+
 @pytest.fixture(autouse=True)
 def threads(request):
     """Tiny models: one intra-op thread is faster and, on a shared 2-core box, far steadier.
@@ -27,3 +37,4 @@ def tiny_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_hf_dir(root / arch, arch) for arch in ARCH_EXTRA}
+

@@ -64,12 +64,18 @@ def ask(client, chat: bool, prompt: str, **kw):
 
 @needs_ray
 def test_replicas_answer_as_the_single_server_does(ray_client, client):
-    with ThreadPoolExecutor(len(REQUESTS)) as pool:
-        answers = list(pool.map(lambda r: ask(ray_client, *r), REQUESTS))
+    """Every concurrent wave answers as the single server does; within three waves both replicas have answered
+    (Ray's router picks a replica by its queue: on a busy CPU one wave may all go to one)."""
     expected = [ask(client, *r)[0] for r in REQUESTS]
-    assert [text for text, _ in answers] == expected
-    assert all(raw.http_response.status_code == 200 for _, raw in answers)
-    replicas = {raw.headers["x-verispec-replica"] for _, raw in answers}
+    replicas = set()
+    for _ in range(3):
+        with ThreadPoolExecutor(len(REQUESTS)) as pool:
+            answers = list(pool.map(lambda r: ask(ray_client, *r), REQUESTS))
+        assert [text for text, _ in answers] == expected
+        assert all(raw.http_response.status_code == 200 for _, raw in answers)
+        replicas |= {raw.headers["x-verispec-replica"] for _, raw in answers}
+        if len(replicas) == 2:
+            break
     assert len(replicas) == 2, replicas  # one engine each, both used
 
 
