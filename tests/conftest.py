@@ -14,9 +14,8 @@ os.environ.setdefault("VERISPEC_NATIVE_CACHE", "0")
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """The suite runs in two xdist workers (pyproject's addopts). The real-weight tests all go to one of them, in
-    turn, so that only one loads the default models at a time (the suite's peak memory: one float32 1.5B model in
-    one worker beside the tiny models in the other); xdist hands out the largest group first."""
+    """With xdist workers (``-n 2 --dist loadgroup``, README) the real-weight tests all go to one of them, in turn,
+    so that only one worker loads the default models at a time."""
     for item in items:
         if item.get_closest_marker("slow"):
             item.add_marker(pytest.mark.xdist_group("real-weights"))
