@@ -36,4 +36,3 @@ def tiny_dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tiny")
     return {arch: make_hf_dir(root / arch, arch) for arch in ARCH_EXTRA}
-
