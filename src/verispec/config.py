@@ -197,7 +197,7 @@ class SpecConfig:
 
     method: str = "ar"
     num_draft_tokens: int = 4  # K; with adaptive, the largest K a round may use
-    adaptive: bool = False  # choose K per round from live acceptance and costs (adaptive.py)
+    adaptive: bool | None = None  # choose K per round from live acceptance and costs; None: the drafter's default
     min_draft_tokens: int = 1  # the smallest K an adaptive round may use
     ngram_min: int = 1  # n-gram lookup: shortest suffix that may match
     ngram_max: int = 4  # n-gram lookup: longest suffix tried first
@@ -212,7 +212,8 @@ class SpecConfig:
                f"got {self.min_draft_tokens!r}")
         _check(_is_int(self.ngram_min) and _is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max,
                f"need integers 1 <= ngram_min <= ngram_max, got {self.ngram_min!r}, {self.ngram_max!r}")
-        _check(isinstance(self.adaptive, bool), f"adaptive must be True or False, got {self.adaptive!r}")
+        _check(self.adaptive is None or isinstance(self.adaptive, bool),
+               f"adaptive must be True, False or None (the method's default), got {self.adaptive!r}")
         _check(isinstance(self.early_stop, bool), f"early_stop must be True or False, got {self.early_stop!r}")
 
     def with_k(self, num_draft_tokens: int) -> SpecConfig:

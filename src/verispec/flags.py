@@ -91,9 +91,11 @@ def engine_options(args) -> dict:
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     a = p.add_mutually_exclusive_group()
-    a.add_argument("--adaptive", dest="adaptive", action="store_true", default=False,
-                   help="choose K per round from live acceptance and costs, up to --num-draft-tokens")
-    a.add_argument("--no-adaptive", dest="adaptive", action="store_false", help="fixed K (default)")
+    a.add_argument("--adaptive", dest="adaptive", action="store_true", default=None,
+                   help="choose K per round from live acceptance and costs, up to --num-draft-tokens (default for "
+                        "the draft heads: eagle, medusa, mtp, peagle)")
+    a.add_argument("--no-adaptive", dest="adaptive", action="store_false",
+                   help="fixed K (default for draft and ngram)")
     e = p.add_mutually_exclusive_group()
     e.add_argument("--early-stop", dest="early_stop", action="store_true", default=True,
                    help="the draft model ends a round before K once its own confidence says another token is not "

@@ -211,7 +211,8 @@ class LLM:
         """A drafter for one request of ``spec.method`` (None for plain decoding)."""
         drafters.check_method(spec.method)
         drafter = drafters.METHODS[spec.method](self, spec) if spec.method != AR else None
-        if drafter is not None and spec.adaptive and not drafter.adaptive:
+        adaptive = drafter is not None and (drafter.adaptive_by_default if spec.adaptive is None else spec.adaptive)
+        if adaptive and not drafter.adaptive:
             # adaptive K is auto's choice with one candidate (n-gram drafts: per match length)
             drafter = drafters.AutoDrafter({spec.method: drafter}, spec.min_draft_tokens, spec.num_draft_tokens,
                                            allow_no_spec=False)

@@ -1,8 +1,9 @@
 """The EAGLE-3 head drafter (drafters/head.py) keeps the output exactly the target's.
 
 Greedy: method="eagle" gives token for token the AR output with native GGUF targets (bf16: verify chunks run
-the fused C++ layer; fp32) and a dequantized one, for a random head and a trained one, K = 1, 2, 4, 8. The hidden
-states the fused and native paths return (which the head reads) equal the per-op path's.
+the fused C++ layer; fp32) and a dequantized one, for a random head and a trained one, K = 1, 2, 4, 8, and with the
+default adaptive K (the head as auto's one delegate). The hidden states the fused and native paths return (which
+the head reads) equal the per-op path's.
 
 Sampling: the chi-square harness of test_speculative_distribution.py (a 16-token target as a table of logits;
 the table hands the head the token embeddings as "hidden states", which decides nothing about exactness: the
@@ -32,6 +33,8 @@ from gguf_tiny import write_gguf
 from tiny import make_hf_model
 
 from verispec import LLM, SamplingParams, kernels
+from verispec.config import SpecConfig
+from verispec.drafters import AutoDrafter, HeadDrafter, NgramDrafter
 from verispec.heads import Eagle3Config, Eagle3Head
 from verispec.models.kv_cache import KVCache
 
@@ -119,7 +122,7 @@ def test_the_trained_head_drafts_better_than_the_random_one(llms):
     rates = {}
     for name in ("random", "trained"):
         out = [llms[(*key, name)].generate(p, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="eagle",
-                                           num_draft_tokens=4) for p in PROMPTS]
+                                           num_draft_tokens=4, adaptive=False) for p in PROMPTS]
         rates[name] = sum(o.stats["accepted_tokens"] for o in out) / sum(o.stats["drafted_tokens"] for o in out)
     assert rates["trained"] > 0.15 and rates["trained"] > 2 * rates["random"] + 0.05, rates
 
@@ -133,9 +136,23 @@ def test_greedy_identity(llms, head, K):
         for prompt in PROMPTS:
             want = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
             got = llm.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True), method="eagle",
-                               num_draft_tokens=K)
+                               num_draft_tokens=K, adaptive=False)
             assert got.token_ids == want.token_ids, (weights, dtype, prompt)
             assert got.stats["drafted_tokens"] > 0
+
+
+def test_a_head_method_chooses_k_per_round_by_default(llms):
+    """method="eagle" alone drafts with adaptive K (auto with the head as its one delegate, never a plain step);
+    adaptive=False drafts the fixed K; draft and ngram stay fixed by default. Greedy: the AR tokens either way."""
+    llm = llms[(*TRAIN_KEY, "trained")]
+    default = llm.make_drafter(SpecConfig("eagle", 4))
+    assert isinstance(default, AutoDrafter) and not default.allow_no_spec and set(default.delegates()) == {"eagle"}
+    assert isinstance(llm.make_drafter(SpecConfig("eagle", 4, adaptive=False)), HeadDrafter)
+    assert isinstance(llm.make_drafter(SpecConfig("ngram", 4)), NgramDrafter)
+    for prompt in PROMPTS:
+        params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
+        got = llm.generate(prompt, params, method="eagle", num_draft_tokens=4)
+        assert got.token_ids == llm.generate(prompt, params).token_ids and got.stats["drafted_tokens"] > 0
 
 
 @pytest.mark.skipif(not kernels.available(), reason="C++ kernels not built")
@@ -166,8 +183,6 @@ def test_features_handed_to_the_drafter_are_the_committed_positions(llms, monkey
     feeding the committed context one token at a time (prefill and verify chunks are row-exact on this path)."""
     llm = llms["native", "bfloat16", "random"] if ("native", "bfloat16", "random") in llms else next(iter(llms.values()))
     seen = []
-    from verispec.drafters.head import HeadDrafter
-
     real = HeadDrafter.propose
 
     def spy(self, request):
@@ -229,7 +244,7 @@ def draw(llm, K: int, params: SamplingParams, n: int, method: str = "eagle"):
     drafted = accepted = 0
     for seed in range(n):
         out = llm.generate(PROMPT, dataclasses.replace(params, max_new_tokens=K + 2, seed=seed), method=method,
-                           num_draft_tokens=K)
+                           num_draft_tokens=K, adaptive=False)
         a, b, c = out.token_ids[:3]
         counts[a, b, c] += 1
         drafted += out.stats["drafted_tokens"]
@@ -242,11 +257,11 @@ CASES = {"random-T1-K2": ("random", 2, dict(temperature=1.0)),
 
 
 def check_greedy_identity(llm, method: str, K: int, prompts=PROMPTS, new: int = NEW) -> None:
-    """``method`` at K gives token for token the AR output on every prompt, having drafted."""
+    """``method`` at a fixed K gives token for token the AR output on every prompt, having drafted."""
     for prompt in prompts:
         want = llm.generate(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True))
         got = llm.generate(prompt, SamplingParams(max_new_tokens=new, ignore_eos=True), method=method,
-                           num_draft_tokens=K)
+                           num_draft_tokens=K, adaptive=False)
         assert got.token_ids == want.token_ids, (method, K, prompt)
         assert got.stats["drafted_tokens"] > 0
 

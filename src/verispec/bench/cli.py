@@ -33,7 +33,8 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--num-draft-tokens", default="4", help="K for speculative methods: one value or a list, e.g. 2,4,6,8 "
                                                           "(adaptive runs and auto use the largest as their maximum)")
     b.add_argument("--adaptive", action="store_true",
-                   help="also run each fixed-K method with adaptive K (label METHOD:K<=max)")
+                   help="run each method both with fixed K (METHOD:K=k) and adaptive K (METHOD:K<=max), not only as "
+                        "it runs by default (fixed K for draft and ngram, adaptive for the draft heads)")
     b.add_argument("--min-draft-tokens", type=int, default=1, help="smallest K an adaptive round may use")
     b.add_argument("--early-stop", default="on", choices=["on", "off", "both"],
                    help="draft-model rounds end early when the draft is unsure (on, the default); off: always K; "
@@ -137,9 +138,11 @@ def _spec_runs(args, llm) -> list[tuple]:
             if fmt != formats[0] and not uses_draft:
                 continue  # the draft format changes nothing for this method: one run is enough
             tag = f"{name}@{fmt}" if len(formats) > 1 and uses_draft else name
-            adapts = drafter.adaptive
-            labelled = [(f"{tag}:K={k}", SpecConfig(name, k, **opts)) for k in ks] if not adapts else []
-            if adapts or args.adaptive:
+            # each method as it runs by default (fixed K per value, or adaptive up to the largest); --adaptive: both
+            by_default = drafter.adaptive or drafter.adaptive_by_default
+            labelled = [] if drafter.adaptive or (by_default and not args.adaptive) else \
+                [(f"{tag}:K={k}", SpecConfig(name, k, adaptive=False, **opts)) for k in ks]
+            if by_default or args.adaptive:
                 labelled.append((f"{tag}:K<={max(ks)}", SpecConfig(name, max(ks), adaptive=True, **opts)))
             if args.early_stop == "both" and _stops_early(drafter):
                 labelled += [(f"{label}:full", dataclasses.replace(spec, early_stop=False)) for label, spec in labelled]

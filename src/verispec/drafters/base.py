@@ -74,6 +74,9 @@ class Drafter:
     early_stop: bool = False
     # it chooses its own K per round (auto): never wrapped in another auto for ``adaptive``
     adaptive: bool = False
+    # K is chosen per round (adaptive) unless the request fixes it: a draft head, whose later positions are accepted
+    # too rarely on most prompts to pay a fixed K's verify rows
+    adaptive_by_default: bool = False
     # (tokens, seconds) this round's proposal spent catching up on committed tokens it had not read, beyond drafting
     catch_up: tuple[int, float] = (0, 0.0)
     # the length of the context suffix this round's draft was matched on (n-gram lookup), None if it does not match

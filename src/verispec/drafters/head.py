@@ -24,6 +24,7 @@ from .base import Draft, Drafter, DraftRequest, chain_of
 
 class HeadDrafter(Drafter):
     name = "eagle"
+    adaptive_by_default = True
 
     def __init__(self, head: DraftHead):
         self.head = head

@@ -20,6 +20,7 @@ from .base import Draft, Drafter, DraftRequest, chain_of
 
 class MedusaDrafter(Drafter):
     name = "medusa"
+    adaptive_by_default = True
 
     def __init__(self, head: MedusaHead):
         self.head = head
