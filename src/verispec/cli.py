@@ -28,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "model proposes), ngram (lookup in prompt + output), eagle (a draft head "
                                                      "on the target's hidden states)")
     g.add_argument("--num-draft-tokens", type=int, default=4,
-                   help="K: tokens drafted per round (default: 4; with --adaptive, the most a round may draft)")
+                   help="K: tokens drafted per round (default: 4; with adaptive K, the heads' default, the most a round "
+                        "may draft)")
     add_spec_args(g)
     add_sampling_args(g)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable; \\n, \\t are escapes)")
