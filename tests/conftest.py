@@ -12,15 +12,6 @@ DEFAULT_THREADS = torch.get_num_threads()
 os.environ.setdefault("VERISPEC_NATIVE_CACHE", "0")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items):
-    """With xdist workers (``-n 2 --dist loadgroup``, README) the real-weight tests all go to one of them, in turn,
-    so that only one worker loads the default models at a time."""
-    for item in items:
-        if item.get_closest_marker("slow"):
-            item.add_marker(pytest.mark.xdist_group("real-weights"))
-
-
 @pytest.fixture(autouse=True)
 def threads(request):
     """Tiny models: one intra-op thread is faster and, on a shared 2-core box, far steadier.
