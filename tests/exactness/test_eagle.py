@@ -8,7 +8,7 @@ the head reads) equal the per-op path's.
 Sampling: the chi-square harness of test_speculative_distribution.py (a 16-token target as a table of logits;
 the table hands the head the token embeddings as "hidden states", which decides nothing about exactness: the
 verifier must make any q exact) with a random head over 12 of the 16 tokens (q is zero on the other four) and a
-trained head, and a broken verifier that must fail.
+trained head, at fixed K and with the default adaptive K, and a broken verifier that must fail.
 """
 
 from __future__ import annotations
@@ -239,12 +239,17 @@ def table_llm_with(model_dirs, tables, head: Path) -> LLM:
     return llm
 
 
-def draw(llm, K: int, params: SamplingParams, n: int, method: str = "eagle"):
+def draw(llm, K: int, params: SamplingParams, n: int, method: str = "eagle", adaptive: bool | None = False):
+    """n draws at fixed K, seeded; or with adaptive K (None: the head's default) unseeded, from torch's generator
+    seeded once: a seeded sample under adaptive K drafts the fixed K (drafters/auto.py), so only unseeded draws
+    take the rounds whose K the measured costs choose."""
     counts = np.zeros((V, V, V), dtype=np.int64)
     drafted = accepted = 0
+    torch.manual_seed(0)
     for seed in range(n):
-        out = llm.generate(PROMPT, dataclasses.replace(params, max_new_tokens=K + 2, seed=seed), method=method,
-                           num_draft_tokens=K, adaptive=False)
+        out = llm.generate(PROMPT, dataclasses.replace(params, max_new_tokens=K + 2,
+                                                       seed=seed if adaptive is False else None),
+                           method=method, num_draft_tokens=K, adaptive=adaptive)
         a, b, c = out.token_ids[:3]
         counts[a, b, c] += 1
         drafted += out.stats["drafted_tokens"]
@@ -266,20 +271,21 @@ def check_greedy_identity(llm, method: str, K: int, prompts=PROMPTS, new: int = 
         assert got.stats["drafted_tokens"] > 0
 
 
-def check_law(llm, tables, name: str, K: int, kw: dict, method: str = "eagle") -> None:
-    """N seeded draws of 3 tokens match the exact AR law (chi-square), with acceptance neither ~0 nor ~1."""
+def check_law(llm, tables, name: str, K: int, kw: dict, method: str = "eagle", adaptive: bool | None = False) -> None:
+    """N draws of 3 tokens match the exact AR law (chi-square), with acceptance neither ~0 nor ~1."""
     params = SamplingParams(**kw)
-    counts, acceptance = draw(llm, K, params, N, method)
+    counts, acceptance = draw(llm, K, params, N, method, adaptive)
     assert 0.02 < acceptance < 0.98, f"{name}: acceptance {acceptance:.3f}"
     p = chi2_pvalue(counts, exact_joint(tables, params))
     assert p > ALPHA, f"{name}: chi-square p = {p:.3g} (acceptance {acceptance:.3f})"
 
 
-def check_broken_verifier_fails(llm, tables, monkeypatch, K: int, kw: dict, method: str = "eagle") -> None:
+def check_broken_verifier_fails(llm, tables, monkeypatch, K: int, kw: dict, method: str = "eagle",
+                                adaptive: bool | None = False) -> None:
     """The negative control: a verifier that accepts every draft is rejected by the same chi-square test."""
     params = SamplingParams(**kw)
     monkeypatch.setattr(verispec.engine.engine, "verify", variant_verify("always_accept"))
-    counts, _ = draw(llm, K, params, N_NEG, method)
+    counts, _ = draw(llm, K, params, N_NEG, method, adaptive)
     assert chi2_pvalue(counts, exact_joint(tables, params)) < ALPHA
 
 
@@ -293,3 +299,14 @@ def test_eagle_sampling_matches_exact_distribution(table_heads, tables, name):
 def test_negative_control_broken_verifier_fails(table_heads, tables, monkeypatch, name):
     head, K, kw = CASES[name]
     check_broken_verifier_fails(table_heads[head], tables, monkeypatch, K, kw)
+
+
+def test_default_adaptive_k_sampling_matches_exact_distribution(table_heads, tables):
+    """The default path (K per round, the head as auto's one delegate), unseeded: the exact law; its control fails."""
+    check_law(table_heads["trained"], tables, "adaptive trained-T0.8-top_k6-K2", 2, dict(temperature=0.8, top_k=6),
+              adaptive=None)
+
+
+def test_default_adaptive_k_negative_control_fails(table_heads, tables, monkeypatch):
+    check_broken_verifier_fails(table_heads["trained"], tables, monkeypatch, 2, dict(temperature=0.8, top_k=6),
+                                adaptive=None)
