@@ -167,6 +167,33 @@ def test_init_from_a_trained_head_continues_to_lower_its_heldout_loss(target, co
     assert "does not fit" in err and len(err.splitlines()) == 1, err
 
 
+def test_extracted_features_train_again_without_data(target, corpus, features, tmp_path, capsys):
+    """Shards an earlier run extracted are trained on as they are when --data is left out (other steps, another
+    recipe); --data then is optional only while such shards are there, and a head for another target is one line."""
+    no_data = [a for a in args(target, corpus, tmp_path / "again", features, 50) if a not in ("--data", corpus)]
+    assert "--data" not in no_data
+    capsys.readouterr()
+    assert main(no_data) == 0
+    err = capsys.readouterr().err
+    assert "extracted " not in err and "tokens/s)" not in err, err  # no "extracted N tokens in S s (R tokens/s)"
+    assert history(tmp_path / "again")[-1]["step"] == 50, history(tmp_path / "again")
+    # the same run with --data: identical (the shards are the same; nothing is extracted again)
+    assert main(args(target, corpus, tmp_path / "with", features, 50)) == 0
+    speed = "train_tokens_per_s"
+    assert [{k: v for k, v in r.items() if k != speed} for r in history(tmp_path / "with")] == \
+        [{k: v for k, v in r.items() if k != speed} for r in history(tmp_path / "again")]
+    empty = [a for a in args(target, corpus, tmp_path / "e", tmp_path / "nothing", 1) if a not in ("--data", corpus)]
+    capsys.readouterr()
+    assert main(empty) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--data: training text needed" in err and len(err.splitlines()) == 1, err
+    narrow = make_hf_dir(tmp_path / "narrow", "qwen2", hidden_size=32, intermediate_size=64)
+    capsys.readouterr()
+    assert main([a for a in args(narrow, corpus, tmp_path / "n", features, 1) if a not in ("--data", corpus)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "made from another target" in err and len(err.splitlines()) == 1, err
+
+
 # -- 6. --resume continues bit for bit -------------------------------------------------------------------------
 
 def assert_same_training(a: dict, b: dict) -> None:

@@ -9,6 +9,7 @@ processes (gloo on CPU, nccl on a GPU).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import fields, replace
@@ -67,8 +68,8 @@ def add_train_parser(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--features", default=None, metavar="DIR",
-                   help="feature shards (default: OUT/features); shards `verispec distill --features DIR` captured "
-                        "while generating are trained on as they are (no --data, no extraction)")
+                   help="feature shards (default: OUT/features); without --data, the shards there are trained on as "
+                        "they are (captured by `verispec distill --features DIR`, or extracted by an earlier run)")
     p.add_argument("--extract-tokens", type=_positive, default=262144, help="training tokens to extract (default 262144)")
     p.add_argument("--heldout-tokens", type=_positive, default=8192, help="held-out tokens (default 8192)")
     p.add_argument("--seq-len", type=_positive, default=512, help="tokens per sequence (default 512)")
@@ -115,9 +116,12 @@ def run_train(args) -> int:
     from .capture import captured
 
     features = Path(args.features) if args.features else out / "features"
-    capture = captured(features)
+    capture = captured(features)  # shards trained on as they are: captured by distill, or extracted before
+    if capture is None and not args.data and (features / "features.json").exists() and shards(features, "train"):
+        capture = json.loads((features / "features.json").read_text())  # an earlier run's extraction, reused
     if not args.data and capture is None:
-        raise VerispecError("--data: training text needed (or --features DIR with shards captured by verispec distill)")
+        raise VerispecError("--data: training text needed (or --features DIR holding shards: captured by verispec "
+                            "distill or extracted by an earlier train-head)")
     for path in args.data:
         if not Path(path).exists():
             raise VerispecError(f"--data {path}: no such file or directory")
@@ -159,10 +163,10 @@ def run_train(args) -> int:
                                 f"{start.config.num_layers}")
         args.layers, args.draft_vocab = tuple(start.config.layers), start.config.draft_vocab_size
     pick, stored = None, 1  # which of the captured layers the head reads (all of them: None), of how many
-    if capture is not None:  # captured while generating: trained on as they are, or on some of their layers
+    if capture is not None:  # trained on as they are, or on some of their layers
         kept = tuple(capture["layers"])
         if capture["hidden_size"] != llm.target.config.hidden_size:
-            raise VerispecError(f"--features {features} was captured from another target ({capture['target']})")
+            raise VerispecError(f"--features {features} was made from another target ({capture['target']})")
         wanted = args.layers or recipe.head.Config.default_layers(llm.target.config.num_layers)
         if args.layers is None and not set(wanted) <= set(kept):
             wanted = kept
