@@ -134,9 +134,9 @@ def test_heads_of_several_families_serve_their_methods_and_auto(tiny_dirs, heads
     for method in ("mtp", "eagle", "auto"):
         out = llm.generate(PROMPTS[1], params, method=method, num_draft_tokens=3)
         assert out.token_ids == want, method
-        rounds[method] = out.stats.get("drafter_rounds", {})
+        rounds[method] = {k for k, r in out.stats.get("drafter_rounds", {}).items() if r}  # delegates that drafted
     assert {h.config.family for h in llm.draft_heads()} == {"mtp", "eagle3"}
-    assert {"eagle", "mtp"} <= set(rounds["auto"]) <= {"ngram", "eagle", "mtp"}, rounds["auto"]
+    assert {"eagle", "mtp"} <= rounds["auto"] <= {"ngram", "eagle", "mtp"}, rounds["auto"]
     assert llm.draft_head("mtp", "mtp").feature_layers != llm.draft_head("eagle", "eagle3").feature_layers
     with pytest.raises(VerispecError, match="two mtp heads given"):
         LLM(target=str(tiny_dirs["qwen2"]), dtype="float32", head=[str(heads["ours"]), str(heads["mimo"])],

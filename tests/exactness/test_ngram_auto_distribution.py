@@ -57,7 +57,8 @@ def draw(llm, method: str, K: int, params: SamplingParams, n: int, opts: dict, f
         drafted += out.stats["drafted_tokens"]
         accepted += out.stats["accepted_tokens"]
         for name, rounds in out.stats.get("drafter_rounds", {}).items():
-            used[name] = used.get(name, 0) + rounds
+            if rounds:  # every delegate is reported, those that never drafted with 0
+                used[name] = used.get(name, 0) + rounds
     return counts, drafted / n, accepted / max(drafted, 1), used
 
 

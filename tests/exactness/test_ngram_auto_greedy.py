@@ -44,7 +44,7 @@ CASES = [(d, *run) for run in RUNS for d in (["same"] if run[0] == "ngram" else 
                                                              zip(CASES, [IDS[RUNS.index(c[1:])] for c in CASES])])
 def test_greedy_identity(llms, draft, method, K, opts):
     llm = llms[draft]
-    drafted = accepted = 0
+    drafted = accepted = auto_rounds = 0
     for prompt in PROMPTS:
         want = gen(llm, prompt, max_new_tokens=N, ignore_eos=True)
         out = gen(llm, prompt, method, K, max_new_tokens=N, ignore_eos=True, opts=opts)
@@ -57,11 +57,15 @@ def test_greedy_identity(llms, draft, method, K, opts):
         drafted += s["drafted_tokens"]
         accepted += s["accepted_tokens"]
         if method == "auto":
-            assert sum(s["drafter_rounds"].values()) >= 1 and set(s["drafter_rounds"]) <= {"ngram", "draft"}
+            # every delegate is reported; a whole prompt of plain steps is a legitimate choice (timing decides)
+            assert set(s["drafter_rounds"]) == {"ngram", "draft"}
+            auto_rounds += sum(s["drafter_rounds"].values())
             per = s["drafter_tokens"].values()  # drafted / accepted per drafter add up to the totals
             assert sum(t["drafted"] for t in per) == s["drafted_tokens"]
             assert sum(t["accepted"] for t in per) == s["accepted_tokens"]
     assert 0 < accepted and drafted > 0, "nothing was drafted or accepted: the test did not test drafting"
+    if method == "auto":  # its first round, with nothing learnt at this K range, drafts whatever the timings
+        assert auto_rounds >= 1
     if method == "ngram" or draft == "other":
         assert accepted < drafted, "no draft was ever rejected: rollback untested"
 
@@ -136,7 +140,7 @@ def test_auto_without_a_draft_model_uses_ngram_alone(tiny_dirs):
     llm = LLM(target=str(tiny_dirs["qwen2"]), dtype="float32")  # not a default target: no draft model
     want = gen(llm, PROMPTS[0], max_new_tokens=N, ignore_eos=True)
     out = gen(llm, PROMPTS[0], "auto", 4, max_new_tokens=N, ignore_eos=True)
-    assert out.token_ids == want.token_ids and set(out.stats.get("drafter_rounds", {})) <= {"ngram"}
+    assert out.token_ids == want.token_ids and set(out.stats["drafter_rounds"]) == {"ngram"}
 
 
 def test_bad_spec_options(llms):

@@ -154,6 +154,8 @@ class Engine:
         req = Request(rid, seq, params, make_generator(params, self.device), drafter, fixed_k, chain=chain)
         req.stats.prompt_tokens = len(prompt_ids)
         req.stats.reached, req.stats.accepted_at = [0] * seq.num_draft_tokens, [0] * seq.num_draft_tokens
+        if drafter is not None:  # auto reports each delegate, those it never drafted with too (0 rounds)
+            req.stats.drafters = {name: [0, 0, 0] for name in drafter.delegates()}
         layers = drafter.feature_layers if drafter is not None else ()
         if capture is not None:
             if layers:

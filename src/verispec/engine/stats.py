@@ -18,7 +18,8 @@ class Stats:
     accepted_tokens: int = 0
     reached: list[int] = field(default_factory=list)  # [K] (sized by the loop): rounds that judged position i
     accepted_at: list[int] = field(default_factory=list)  # [K]: rounds in which position i was accepted
-    drafters: dict[str, list[int]] = field(default_factory=dict)  # [rounds, drafted, accepted] per delegate
+    drafters: dict[str, list[int]] = field(default_factory=dict)  # [rounds, drafted, accepted] per delegate (every
+    # delegate of a drafter that has them, auto's: 0 rounds where plain steps or another delegate won)
 
     def record_round(self, num_drafted: int, num_accepted: int) -> None:
         self.drafted_tokens += num_drafted
