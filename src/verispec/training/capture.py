@@ -11,14 +11,13 @@ rebuild them).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..engine import Capture
 from .corpus import Document
-from .extract import SHARD_SEQS, _write_shard, record_settings, shard_name, shards
+from .extract import SHARD_SEQS, _write_shard, read_settings, record_settings, shard_name, shards
 
 CAPTURED = "verispec distill"  # features.json's "captured": shards written while generating, not by extraction
 
@@ -59,8 +58,5 @@ class FeatureWriter:
 
 def captured(directory: Path) -> dict | None:
     """The settings of a directory of captured shards (features.json), or None if it holds none."""
-    manifest = Path(directory) / "features.json"
-    if not manifest.exists():
-        return None
-    settings = json.loads(manifest.read_text())
-    return settings if settings.get("captured") == CAPTURED else None
+    settings = read_settings(directory)
+    return settings if settings is not None and settings.get("captured") == CAPTURED else None

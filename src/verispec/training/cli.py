@@ -9,7 +9,6 @@ processes (gloo on CPU, nccl on a GPU).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import fields, replace
@@ -102,7 +101,7 @@ def run_train(args) -> int:
     from ..heads.io import read_head
     from ..llm import LLM
     from ..models.loader import load
-    from .extract import extract, shards
+    from .extract import extract, read_settings, shards
     from .trainer import Trainer, draft_vocabulary, load_split
 
     out = Path(args.out)
@@ -117,8 +116,8 @@ def run_train(args) -> int:
 
     features = Path(args.features) if args.features else out / "features"
     capture = captured(features)  # shards trained on as they are: captured by distill, or extracted before
-    if capture is None and not args.data and (features / "features.json").exists() and shards(features, "train"):
-        capture = json.loads((features / "features.json").read_text())  # an earlier run's extraction, reused
+    if capture is None and not args.data and shards(features, "train"):
+        capture = read_settings(features)  # an earlier run's extraction, reused (None: shards without settings)
     if not args.data and capture is None:
         raise VerispecError("--data: training text needed (or --features DIR holding shards: captured by verispec "
                             "distill or extracted by an earlier train-head)")

@@ -73,21 +73,26 @@ def features_of(model, ids: list[int], layers: tuple[int, ...], topk: int) -> di
             "topk_ids": top.indices.int().cpu(), "topk_logp": top.values.half().cpu()}
 
 
+def read_settings(features_dir: Path) -> dict | None:
+    """features.json under ``features_dir``: how its shards were made; None where there is none."""
+    manifest = Path(features_dir) / "features.json"
+    return json.loads(manifest.read_text()) if manifest.exists() else None
+
+
 def record_settings(features_dir: Path, settings: dict, write: bool = True) -> None:
     """features.json: how the shards under ``features_dir`` were made. Written once (``write``: by one process),
     then checked: a directory holding shards made otherwise is an error, never a mix."""
     features_dir.mkdir(parents=True, exist_ok=True)
-    manifest = features_dir / "features.json"
-    if manifest.exists():
-        old = json.loads(manifest.read_text())
+    old = read_settings(features_dir)
+    if old is not None:
         if old != settings:
             diff = next(k for k in settings if old.get(k) != settings[k])
             raise VerispecError(f"{features_dir} holds features made with other settings ({diff}: "
                                 f"{old.get(diff)!r} there, {settings[diff]!r} now): use another --features dir")
     elif write:  # whole or not at all: another rank may be reading it right now
-        tmp = manifest.with_suffix(".json.tmp")
+        tmp = features_dir / "features.json.tmp"
         tmp.write_text(json.dumps(settings, indent=1) + "\n")
-        tmp.rename(manifest)
+        tmp.rename(features_dir / "features.json")
 
 
 def extract(llm, data: list[str], features_dir: Path, layers: tuple[int, ...], seq_len: int, max_tokens: int,
