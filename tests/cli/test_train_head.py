@@ -126,7 +126,9 @@ def test_init_from_a_trained_head_continues_to_lower_its_heldout_loss(target, co
     # one step (a warm-up learning rate: nearly no change) starts where "a" ended, far from a fresh head
     assert main(args(target, corpus, tmp_path / "one", features, 1)) == 0
     assert main(args(target, corpus, tmp_path / "a1", features, 1, "--init", str(tmp_path / "a"))) == 0
-    fresh, (cont,) = history(tmp_path / "one")[-1], history(tmp_path / "a1")
+    fresh, (start, cont) = history(tmp_path / "one")[-1], history(tmp_path / "a1")
+    assert start["step"] == 0 and start["train_loss"] is None  # --init: the head as read, evaluated before step 1
+    assert abs(start["heldout_loss"] - before["heldout_loss"]) < 0.01 * abs(before["heldout_loss"]), (start, before)
     assert abs(cont["heldout_loss"] - before["heldout_loss"]) < 0.05 * abs(before["heldout_loss"]), (cont, before)
     assert fresh["heldout_loss"] > before["heldout_loss"] + 1.0, (fresh, before)  # 10.4 against 7.9
     a_cfg = json.loads((tmp_path / "a" / "config.json").read_text())
@@ -344,3 +346,34 @@ def test_torchrun_two_processes(target, corpus, tmp_path):
     state = checkpoint(out)
     assert state["step"] == 20 and [r["step"] for r in state["history"]] == [10, 20]
     assert all(torch.isfinite(t).all() for t in state["head"].values())
+
+
+def test_suite_eval_scores_the_targets_answers_to_the_suite(target, corpus, features, tmp_path, capsys):
+    """--suite-eval N: at each evaluation the head is also scored on the target's greedy answers to the suite's first
+    N prompts a category, on the answer rows only (the rows a drafter meets); a negative N is one line, exit 2."""
+    from verispec.bench.prompts import builtin_suite, select
+    from verispec.training import extract
+
+    seen = []
+    real = extract.suite_answers
+
+    def spy(*a, **k):
+        seen.extend(real(*a, **k))
+        return seen
+
+    import verispec.training.extract as ex
+    ex.suite_answers = spy
+    try:
+        assert main(args(target, corpus, tmp_path / "s", features, 50, "--suite-eval", "1")) == 0
+    finally:
+        ex.suite_answers = real
+    assert 0 < len(seen) <= len(select(builtin_suite(), None, 1))  # prompts the tiny context holds
+    (rec,) = history(tmp_path / "s")
+    assert len(rec["suite_acceptance"]) == 3 and all(0 <= a <= 1 for a in rec["suite_acceptance"])
+    assert "suite answers" in capsys.readouterr().err
+    for row in seen:  # the rows counted are exactly those before each answer token
+        n_answer = int(row["answer"].sum())
+        assert 0 < n_answer < len(row["tokens"]) - 1
+        assert not row["answer"][: len(row["tokens"]) - n_answer - 1].any() and not row["answer"][-1]
+    assert "--suite-eval" in one_error_line(args(target, corpus, tmp_path / "n", features, 1, "--suite-eval", "-1"),
+                                            capsys)

@@ -82,6 +82,12 @@ def add_train_parser(sub) -> None:
                    help="learning rate after the warm-up: cosine to 10%% of --lr (default) or constant")
     p.add_argument("--step-weight", type=float, default=d.step_weight, metavar="W",
                    help=f"the loss of unroll step j (Medusa: head j) weighted W ** j (default {d.step_weight})")
+    p.add_argument("--loss-on", choices=["all", "answers"], default=d.loss_on,
+                   help="rows the loss reads: all (default) or answers, those whose next token the target wrote in an "
+                        "assistant turn, as a drafter meets them (held-out acceptance counts those rows either way)")
+    p.add_argument("--suite-eval", type=int, default=0, metavar="N",
+                   help="also score the head at each evaluation on the target's greedy answers to the bench suite's "
+                        "first N prompts a category (teacher-forced acceptance on the answer rows; never trained on)")
     p.add_argument("--batch", type=_positive, default=d.batch, help="sequences per step and process (default 1)")
     p.add_argument("--init", default=d.init, metavar="target|random|HEAD_DIR",
                    help="the head's layer starts as the target's last layer (default), random, or as the head in "
@@ -101,7 +107,7 @@ def run_train(args) -> int:
     from ..heads.io import read_head
     from ..llm import LLM
     from ..models.loader import load
-    from .extract import extract, read_settings, shards
+    from .extract import extract, read_settings, shards, suite_answers
     from .trainer import Trainer, draft_vocabulary, load_split
 
     out = Path(args.out)
@@ -126,6 +132,8 @@ def run_train(args) -> int:
             raise VerispecError(f"--data {path}: no such file or directory")
     if not args.step_weight >= 0:
         raise VerispecError(f"--step-weight {args.step_weight}: a weight >= 0 (1 weighs every unroll step alike)")
+    if args.suite_eval < 0:
+        raise VerispecError(f"--suite-eval {args.suite_eval}: prompts a category, >= 0 (0: none)")
     ckpt = out / "checkpoint.pt"
     if args.resume and not ckpt.exists():
         raise VerispecError(f"--resume: no checkpoint at {ckpt}")
@@ -183,7 +191,9 @@ def run_train(args) -> int:
         if r["sequences"] and rank == 0:
             print(f"extracted {r['sequences'] * args.seq_len} {split} tokens in {r['seconds']} s "
                   f"({r['tokens_per_s']} tokens/s)", file=sys.stderr)
+    suite = suite_answers(llm, args.suite_eval, layers, args.topk) if args.suite_eval and rank == 0 else None
     eos = llm.eos_token_ids
+    turns = assistant_turns(llm.codec.tok, eos)
     target_source = llm.target.source
     del llm
     if world > 1:
@@ -197,7 +207,7 @@ def run_train(args) -> int:
         if rank == 0:
             print(f"--features {features}: no held-out shards yet; holding out {files['heldout'][0].name}",
                   file=sys.stderr)
-    train, heldout = (load_split(features, split, pick, stored, files[split]) for split in ("train", "heldout"))
+    train, heldout = (load_split(features, split, pick, stored, files[split], turns) for split in ("train", "heldout"))
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
     if start is not None:  # its weights as they are
         head = start
@@ -217,13 +227,14 @@ def run_train(args) -> int:
     hc = head.config
     head.attach_target(target.model)
     trainer = Trainer(head, cfg, train, heldout, out, rank, world,
-                      log=lambda line: print(line, file=sys.stderr))
+                      log=lambda line: print(line, file=sys.stderr), started=start is not None, suite=suite)
     if args.resume:
         trainer.load(ckpt)
     if rank == 0:
-        print(f"training a head on {train['tokens'].numel()} tokens from {target_source}: draft vocabulary "
-              f"{hc.draft_vocab_size}, layers {','.join(map(str, layers))}, steps {trainer.step}..{cfg.steps}",
-              file=sys.stderr)
+        answers = f" ({int(train['answer'].sum())} the target wrote)" if "answer" in train else ""
+        print(f"training a head on {train['tokens'].numel()} tokens{answers} from {target_source}: draft vocabulary "
+              f"{hc.draft_vocab_size}, layers {','.join(map(str, layers))}, steps {trainer.step}..{cfg.steps}, loss "
+              f"on {cfg.loss_on}", file=sys.stderr)
     final = trainer.run(progress)
     if rank == 0:
         print(f"head written to {out} (held-out tau {final.get('heldout_tau')})", file=sys.stderr)
@@ -231,6 +242,19 @@ def run_train(args) -> int:
         torch.distributed.barrier()  # left early aborted now and then ("terminate called without an active exception")
         torch.distributed.destroy_process_group()
     return 0
+
+
+def assistant_turns(tok, ends: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """(the ids that open an assistant turn, the ids that end one) from the chat template: what its generation
+    prompt adds to a conversation; None without a chat template."""
+    if not getattr(tok, "chat_template", None):
+        return None
+    turn = [{"role": "user", "content": "x"}]
+    ids = [tok.apply_chat_template(turn, tokenize=True, add_generation_prompt=g) for g in (False, True)]
+    before, after = (list(i["input_ids"] if hasattr(i, "keys") else i) for i in ids)
+    if after[:len(before)] != before or len(after) == len(before):
+        return None
+    return tuple(after[len(before):]), tuple(ends)
 
 
 def extend(head, cls):

@@ -73,6 +73,26 @@ def features_of(model, ids: list[int], layers: tuple[int, ...], topk: int) -> di
             "topk_ids": top.indices.int().cpu(), "topk_logp": top.values.half().cpu()}
 
 
+def suite_answers(llm, limit: int, layers: tuple[int, ...], topk: int, max_new_tokens: int = 128) -> list[dict]:
+    """The bench suite's prompts (``limit`` a category) answered by the target (greedy), as evaluation rows: what
+    features_of keeps, and ``answer`` [T] marking the rows whose next token the target wrote. An evaluation set:
+    never training data."""
+    from ..bench.prompts import builtin_suite, select
+
+    out, context = [], llm.target.config.max_position_embeddings
+    for p in select(builtin_suite(), None, limit):
+        ids = llm.codec.encode(p.text, chat=True)
+        room = min(max_new_tokens, context - len(ids))  # a short context (a tiny model): shorter answers
+        if room < 2:
+            continue
+        answer = llm.generate(ids, SamplingParams(temperature=0.0, max_new_tokens=room)).token_ids
+        row = features_of(llm.target.model, list(ids) + list(answer), layers, topk)
+        row["answer"] = torch.arange(len(ids) + len(answer)) >= len(ids) - 1
+        row["answer"][-1] = False  # the last row's next token is not there
+        out.append(row)
+    return out
+
+
 def read_settings(features_dir: Path) -> dict | None:
     """features.json under ``features_dir``: how its shards were made; None where there is none."""
     manifest = Path(features_dir) / "features.json"

@@ -42,12 +42,15 @@ class TrainConfig:
     warmup: int = 50
     step_weight: float = 0.8  # EAGLE-3: the loss of unroll step j weighted step_weight ** j
     schedule: str = "cosine"  # after warm-up: "cosine" to 10% of lr, or "constant"
+    loss_on: str = "all"  # "answers": only rows whose next token the target wrote in an assistant turn; "all"
 
 
 def load_split(features_dir: Path, split: str, pick: tuple[int, ...] | None = None, stored: int = 1,
-               files: list[Path] | None = None) -> dict[str, torch.Tensor]:
+               files: list[Path] | None = None, turns: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+               ) -> dict[str, torch.Tensor]:
     """Every shard of one split (or ``files``), stacked: tokens [N, T], features [N, T, F], topk_ids / topk_logp
-    [N, T, k]. ``pick``: keep only these of the ``stored`` layers (features are ``stored`` blocks of D, one a layer)."""
+    [N, T, k]. ``pick``: keep only these of the ``stored`` layers (features are ``stored`` blocks of D, one a layer).
+    ``turns`` (an assistant turn's opening ids, the ids that end a turn): also ``answer`` [N, T] (answer_rows)."""
     from safetensors.torch import load_file
 
     files = shards(features_dir, split) if files is None else files
@@ -57,7 +60,28 @@ def load_split(features_dir: Path, split: str, pick: tuple[int, ...] | None = No
     if pick is not None:
         for p in parts:  # [n, T, stored D] -> [n, T, len(pick) D]
             p["features"] = p["features"].unflatten(-1, (stored, -1))[..., list(pick), :].flatten(-2)
-    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    if turns is not None:
+        out["answer"] = answer_rows(out["tokens"], *turns)
+    return out
+
+
+def answer_rows(tokens: torch.Tensor, opening: tuple[int, ...], ends: tuple[int, ...]) -> torch.Tensor:
+    """tokens [N, T], the sequences of a split in the order they were cut from one stream (as distill and a
+    one-process extraction write them) -> [N, T] bool: row t's next token x_{t+1} lies in an assistant turn (after
+    ``opening``, the chat template's generation prompt, up to and including a token of ``ends``), i.e. the target
+    wrote it: the rows a drafter meets at inference. A split with no assistant turn (plain text): every row."""
+    flat = tokens.flatten().tolist()
+    n, inside, written = len(opening), False, [False] * len(flat)  # written[i]: x_i in an assistant turn
+    for i, x in enumerate(flat):
+        if inside:
+            written[i] = True
+            inside = x not in ends
+        elif n and i >= n - 1 and x == opening[-1] and flat[i - n + 1:i + 1] == list(opening):
+            inside = True
+    if not any(written):
+        return torch.ones(tokens.shape, dtype=torch.bool)
+    return torch.tensor(written[1:] + [False]).view(tokens.shape)
 
 
 def draft_vocabulary(top1: torch.Tensor, size: int, vocab_size: int, always: tuple[int, ...]) -> torch.Tensor:
@@ -85,8 +109,11 @@ class Unrolled(nn.Module):
 
 class Trainer:
     def __init__(self, head: DraftHead, cfg: TrainConfig, train: dict, heldout: dict, out: Path,
-                 rank: int = 0, world: int = 1, log=print):
+                 rank: int = 0, world: int = 1, log=print, started: bool = False, suite: list[dict] | None = None):
+        """``started``: the head was trained before (continual training): held-out figures at step 0 first.
+        ``suite``: evaluation rows of other text (extract.suite_answers), scored beside the held-out split."""
         self.head, self.cfg, self.train, self.heldout, self.out = head, cfg, train, heldout, out
+        self.started, self.suite = started, suite or []
         self.rank, self.world, self.log = rank, world, log
         self.recipe = RECIPES[head.config.family]
         self.labels = Labels(head.d2t, head.config.vocab_size)
@@ -129,6 +156,8 @@ class Trainer:
         T = self.train["tokens"].shape[1]
         bar = tqdm(total=c.steps, initial=self.step, desc="train", unit="step", disable=not progress or self.rank,
                    dynamic_ncols=True)
+        if self.step == 0 and self.started:  # a head trained before (--init HEAD_DIR): where it starts
+            self.evaluate(None, None)
         t0, done0 = time.perf_counter(), self.step
         while self.step < c.steps:
             idx = self.batch_indices(self.step)
@@ -136,7 +165,8 @@ class Trainer:
             for g in self.opt.param_groups:
                 g["lr"] = self.lr_at(self.step)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-                loss, hits, reached = self.recipe.loss(self.model, batch, self.labels, c.ttt_steps, c.step_weight)
+                loss, hits, reached = self.recipe.loss(self.model, batch, self.labels, c.ttt_steps, c.step_weight,
+                                                       c.loss_on == "answers")
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_([p for p in self.head.parameters() if p.requires_grad], 0.5)
@@ -154,27 +184,39 @@ class Trainer:
         return self.history[-1] if self.history else {}
 
     @torch.no_grad()
-    def evaluate(self, train_loss: float, tok_s: float) -> dict:
+    def evaluate(self, train_loss: float | None, tok_s: float | None) -> dict:
+        """Held-out loss and greedy acceptance per chain position, on the rows ``answer`` marks where the data has
+        them (what a drafter meets at inference); ``train_loss`` / ``tok_s`` None: before the first step."""
         if self.rank:
             return {}
         h = self.heldout
-        hits, reached, losses = [], [], []  # per chain step (EAGLE-3) or head (Medusa)
-        for i in range(h["tokens"].shape[0]):
-            batch = {k: v[i:i + 1] for k, v in h.items()}
+        rates, loss = self.score([{k: v[i:i + 1] for k, v in h.items()} for i in range(h["tokens"].shape[0])])
+        rec = {"step": self.step, "train_loss": None if train_loss is None else round(train_loss, 4),
+               "heldout_loss": round(loss, 4),
+               "heldout_acceptance": [round(a, 4) for a in rates], "heldout_tau": round(expected_tokens(rates), 3),
+               "train_tokens_per_s": None if tok_s is None else round(tok_s, 1)}
+        if self.suite:
+            rec["suite_acceptance"] = [round(a, 4) for a in self.score([{k: v[None] for k, v in r.items()}
+                                                                        for r in self.suite])[0]]
+        self.history.append(rec)
+        then = "" if train_loss is None else f" / {train_loss:.3f} train, {tok_s:.0f} tokens/s"
+        suite = "; suite answers " + " / ".join(f"{a:.3f}" for a in rec["suite_acceptance"]) if self.suite else ""
+        self.log(f"step {self.step}/{self.cfg.steps}: held-out acceptance per position "
+                 f"{' / '.join(f'{a:.2f}' for a in rates)} (tau {rec['heldout_tau']:.2f}), loss {rec['heldout_loss']:.3f} "
+                 f"held-out{then}{suite}")
+        return rec
+
+    def score(self, batches: list[dict]) -> tuple[list[float], float]:
+        """Greedy acceptance per chain step (EAGLE-3) or head (Medusa) over ``batches``, and their mean loss."""
+        hits, reached, losses = [], [], []
+        for batch in batches:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
-                loss, hh, rr = self.recipe.loss(self.forward, batch, self.labels, self.cfg.ttt_steps, self.cfg.step_weight)
+                loss, hh, rr = self.recipe.loss(self.forward, batch, self.labels, self.cfg.ttt_steps, self.cfg.step_weight,
+                                                self.cfg.loss_on == "answers")
             losses.append(loss.item())
             hits = [a + b for a, b in itertools.zip_longest(hits, hh, fillvalue=0)]
             reached = [a + b for a, b in itertools.zip_longest(reached, rr, fillvalue=0)]
-        rates = acceptance(hits, reached)
-        rec = {"step": self.step, "train_loss": round(train_loss, 4), "heldout_loss": round(sum(losses) / len(losses), 4),
-               "heldout_acceptance": [round(a, 4) for a in rates], "heldout_tau": round(expected_tokens(rates), 3),
-               "train_tokens_per_s": round(tok_s, 1)}
-        self.history.append(rec)
-        self.log(f"step {self.step}/{self.cfg.steps}: held-out acceptance per position "
-                 f"{' / '.join(f'{a:.2f}' for a in rates)} (tau {rec['heldout_tau']:.2f}), loss {rec['heldout_loss']:.3f} "
-                 f"held-out / {train_loss:.3f} train, {tok_s:.0f} tokens/s")
-        return rec
+        return acceptance(hits, reached), sum(losses) / len(losses)
 
     def save(self) -> None:
         if self.rank:

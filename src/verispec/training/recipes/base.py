@@ -21,8 +21,9 @@ class Recipe:
     init: Callable[[DraftHead, nn.Module, str, int], None]
     # (head, features [B, T, F], tokens [B, T], steps) -> per step draft-vocabulary logits [B, T, Vd]
     unroll: Callable[[DraftHead, torch.Tensor, torch.Tensor, int], list[torch.Tensor]]
-    # (forward module, batch, Labels, steps) -> (loss, [steps] greedy hits, [steps] rows reached)
-    loss: Callable[[nn.Module, dict, Labels, int], tuple[torch.Tensor, list[int], list[int]]]
+    # (forward module, batch, Labels, steps, step weight, answers only) -> (loss, [steps] greedy hits, [steps] rows
+    # reached)
+    loss: Callable[[nn.Module, dict, Labels, int, float, bool], tuple[torch.Tensor, list[int], list[int]]]
 
     def build(self, cfg: ModelConfig, layers: tuple[int, ...] | None, draft_vocab_size: int, depth: int = 1,
               **options) -> DraftHead:

@@ -107,22 +107,32 @@ def chain_attention(a, x: torch.Tensor, cos, sin, keys: list, causal: torch.Tens
     return a.out(o.reshape(B, a.h, T, a.hd))
 
 
-def chain_loss(model: nn.Module, batch: dict, labels: Labels, steps: int, weight: float = 0.8):
+def chain_loss(model: nn.Module, batch: dict, labels: Labels, steps: int, weight: float = 0.8,
+               answers_only: bool = False):
     """model(features, tokens, steps) -> unroll's logits. -> (loss, step j's weighted ``weight`` ** j as in EAGLE-3;
-    [steps] rows where the chain's greedy pick matched so far; [steps] rows reached)."""
+    [steps] rows where the chain's greedy pick matched so far; [steps] rows reached). Where the batch marks the rows
+    whose next token the target wrote (``answer`` [B, T]), acceptance counts those rows (a chain that leaves them
+    stops), and ``answers_only`` keeps the loss to them too."""
     tokens, feats = batch["tokens"].long(), batch["features"].float()
     p, top1 = labels(batch["topk_ids"], batch["topk_logp"])  # [B, T, Vd], [B, T]
     T = tokens.shape[1]
+    answer = batch.get("answer")  # [B, T] bool or None
+    counted = torch.ones_like(tokens, dtype=torch.bool) if answer is None else answer.bool()
     step_logits = model(feats, tokens, steps)
     loss, hits, reached = 0.0, [], []
     alive = None
     for j, logits in enumerate(step_logits):
         n = T - j - 1  # rows r with a label at r + j + 1
-        lg, pj, tj = logits[:, :n], p[:, j + 1:], top1[:, j + 1:]
-        loss = loss + weight ** j * -(pj * F.log_softmax(lg.float(), -1)).sum(-1).mean()
+        lg, pj, tj, cj = logits[:, :n], p[:, j + 1:], top1[:, j + 1:], counted[:, j + 1:]
+        ce = -(pj * F.log_softmax(lg.float(), -1)).sum(-1)  # [B, n]
+        if answers_only:
+            w = cj.float()
+            loss = loss + weight ** j * (ce * w).sum() / w.sum().clamp(min=1.0)
+        else:
+            loss = loss + weight ** j * ce.mean()
         with torch.no_grad():
-            ok = lg.argmax(-1) == tj  # [B, n]
-            reached.append(ok.numel() if alive is None else int(alive[:, :n].sum()))
+            ok = (lg.argmax(-1) == tj) & cj  # [B, n]
+            reached.append(int(cj.sum()) if alive is None else int((alive[:, :n] & cj).sum()))
             alive = ok if alive is None else alive[:, :n] & ok  # rows whose chain matched the target so far
             hits.append(int(alive.sum()))
     return loss, hits, reached
