@@ -348,7 +348,8 @@ def test_torchrun_two_processes(target, corpus, tmp_path):
     assert all(torch.isfinite(t).all() for t in state["head"].values())
 
 
-def test_suite_eval_scores_the_targets_answers_to_the_suite(target, corpus, features, tmp_path, capsys):
+def test_suite_eval_scores_the_targets_answers_to_the_suite(target, corpus, features, tmp_path, capsys,
+                                                            monkeypatch):
     """--suite-eval N: at each evaluation the head is also scored on the target's greedy answers to the suite's first
     N prompts a category, on the answer rows only (the rows a drafter meets); a negative N is one line, exit 2."""
     from verispec.bench.prompts import builtin_suite, select
@@ -361,12 +362,8 @@ def test_suite_eval_scores_the_targets_answers_to_the_suite(target, corpus, feat
         seen.extend(real(*a, **k))
         return seen
 
-    import verispec.training.extract as ex
-    ex.suite_answers = spy
-    try:
-        assert main(args(target, corpus, tmp_path / "s", features, 50, "--suite-eval", "1")) == 0
-    finally:
-        ex.suite_answers = real
+    monkeypatch.setattr(extract, "suite_answers", spy)
+    assert main(args(target, corpus, tmp_path / "s", features, 50, "--suite-eval", "1")) == 0
     assert 0 < len(seen) <= len(select(builtin_suite(), None, 1))  # prompts the tiny context holds
     (rec,) = history(tmp_path / "s")
     assert len(rec["suite_acceptance"]) == 3 and all(0 <= a <= 1 for a in rec["suite_acceptance"])
