@@ -39,9 +39,24 @@ def test_code_snippets_and_tasks_from_local_sources(tmp_path):
     ("Given this context: the sky.\n\nQuestion: what colour?", "Given this context: the sky.\n\nQuestion: what colour?"),
     ("hi", None),
     ("<|im_start|>user say something long enough here", None),
+    ("なぜ空は青いのですか？", "なぜ空は青いのですか？"),  # 11 characters, 33 bytes: a whole question
+    ("Warum? Weil.", None),  # 12 bytes
 ])
 def test_self_written_user_turns_are_cleaned(raw, clean):
     assert T.clean_user_turn(raw) == clean
+
+
+def test_magpie_leads_cover_every_suite_category_and_share_no_run_with_it():
+    from verispec.bench.prompts import builtin_suite
+
+    assert set(T.LEADS) == {p.category for p in builtin_suite()}
+    suite = T.suite_shingles()
+    assert not any(T.overlaps_suite(lead, suite) for leads in T.LEADS.values() for lead in leads)
+    rng, made = random.Random(0), set()
+    for n in range(400):  # with no answers yet every category is drawn, the multilingual questions too
+        task = T.magpie_task(rng, n)
+        made.add((task.category, task.magpie_lead))
+    assert {lead for c, lead in made if c == "multilingual"} >= {"Почему", "なぜ", "为什么"}
 
 
 @pytest.fixture(scope="module")

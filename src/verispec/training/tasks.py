@@ -64,7 +64,9 @@ LEADS = {
     "stem": ("Explain how", "What is the difference between", "How does", "Describe the process"),
     "qa": ("What is", "Who", "When", "How many", "Where"),
     "writing": ("Write a", "Compose", "Draft an email", "Write a short story"),
-    "multilingual": ("Traduis", "Übersetze", "¿Cómo", "请", "Explique en français"),
+    # translation, and questions asked in the language they are to be answered in (the head meets both)
+    "multilingual": ("Traduis", "Übersetze", "¿Cómo", "请", "Explique en français", "Warum", "¿Por qué", "Pourquoi",
+                     "为什么", "なぜ", "Por que", "Perché", "Почему"),
     "coding": ("Write a Python", "How do I", "Implement", "Fix this code", "Write a SQL query"),
     "summarization": ("Summarize", "TL;DR"),
     "rag": ("Based on the following", "Given this context"),
@@ -207,7 +209,8 @@ def clean_user_turn(text: str) -> str | None:
     answering = rest.lstrip().startswith(("To ", "Sure", "Here", "Let's", "Let me", "First", "Step", "The answer"))
     if rest and (first.rstrip().endswith("?") or answering):  # a request, then the model answering it itself
         text = first.strip()
-    if not 20 <= len(text) <= 1500 or "<|im_" in text or "assistant" == text.lower()[:9]:
+    # at least 20 bytes of UTF-8: a question of 7 CJK characters is a whole one, "Why?" is not
+    if not 20 <= len(text.encode("utf-8")) or len(text) > 1500 or "<|im_" in text or "assistant" == text.lower()[:9]:
         return None
     words = text.split()
     if len(set(words)) < 0.4 * len(words):
