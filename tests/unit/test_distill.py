@@ -46,12 +46,10 @@ def test_self_written_user_turns_are_cleaned(raw, clean):
     assert T.clean_user_turn(raw) == clean
 
 
-def test_magpie_leads_cover_every_suite_category_and_share_no_run_with_it():
+def test_magpie_leads_cover_every_suite_category():
     from verispec.bench.prompts import builtin_suite
 
     assert set(T.LEADS) == {p.category for p in builtin_suite()}
-    suite = T.suite_shingles()
-    assert not any(T.overlaps_suite(lead, suite) for leads in T.LEADS.values() for lead in leads)
     rng, made = random.Random(0), set()
     for n in range(400):  # with no answers yet every category is drawn, the multilingual questions too
         task = T.magpie_task(rng, n)
