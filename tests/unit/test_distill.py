@@ -93,6 +93,22 @@ def test_distill_writes_the_targets_answers_and_resumes(llm, tmp_path):
     assert pack(out)["records"] == 7
 
 
+def test_magpie_turn_writing_is_counted(llm, tmp_path):
+    d = Distiller(llm, tmp_path / "c.jsonl", concurrency=3, max_new_tokens=8, magpie_share=1.0, follow_up_share=0.0,
+                  tasks=[], kv_cache_tokens=2048)
+    for _ in range(3):
+        d._add(d._next_task())
+    turns = [req for _, _, req, _ in d.live.values()]
+    with (tmp_path / "c.jsonl").open("a") as fh:
+        while d.live:
+            for req in d.engine.step():
+                if req.finished:
+                    d._finish(*d.live.pop(req.request_id), fh)
+    assert d.turns_kept + d.turns_dropped == 3 and d.turns_kept == len(d.follow_ups) == len(d.seen_turns)
+    assert d.turn_tokens == sum(len(req.output_ids) for req in turns) > 0
+    assert d.written_tokens == 0 and f"{d.turns_kept} kept / {d.turns_dropped} dropped" in d.turn_summary()
+
+
 def test_distill_command_refuses_bad_input(tmp_path, capsys):
     assert main(["distill", "--out", str(tmp_path / "x.jsonl"), "--pack"]) == 2
     assert "no records" in capsys.readouterr().err

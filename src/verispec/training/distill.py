@@ -77,6 +77,8 @@ class Distiller:
         self.live: dict[int, tuple[T.Task, SamplingParams, object, list[int]]] = {}
         self.n_magpie = 0
         self.written_tokens = 0
+        # Magpie turn writing: decode work whose tokens are not in the corpus
+        self.turn_tokens, self.turns_kept, self.turns_dropped = 0, 0, 0
 
     def _next_task(self) -> T.Task | None:
         if self.follow_ups:
@@ -112,9 +114,12 @@ class Distiller:
         out_ids = [t for t in req.output_ids if t not in self.llm.eos_token_ids]
         text = self.llm.codec.decode(out_ids)
         if task.magpie_lead is not None:
+            self.turn_tokens += len(req.output_ids)
             turn = T.clean_user_turn(task.magpie_lead + text)
             key = " ".join((turn or "").lower().split()[:12])
+            self.turns_dropped += 1
             if turn and key not in self.seen_turns and not T.overlaps_suite(turn, self.suite):
+                self.turns_dropped, self.turns_kept = self.turns_dropped - 1, self.turns_kept + 1
                 self.seen_turns.add(key)
                 self.follow_ups.append(T.Task(T._id("magpie-turn", turn), task.category, "magpie",
                                               [{"role": "user", "content": turn}]))
@@ -133,6 +138,9 @@ class Distiller:
         self.by_category[task.category] = self.by_category.get(task.category, 0) + len(req.output_ids)
         if task.source != "follow-up" and text.strip() and self.rng.random() < self.follow_up_share:
             self.follow_ups.append(T.follow_up(task, text, self.rng))
+
+    def turn_summary(self) -> str:
+        return f"turns {self.turns_kept} kept / {self.turns_dropped} dropped, {self.turn_tokens} tokens"
 
     def run(self, tokens: int, progress: bool = True) -> int:
         """Answer prompts until ``tokens`` answer tokens are written this run; return how many were."""
@@ -153,6 +161,8 @@ class Distiller:
                 for req in self.engine.step():
                     if req.finished:
                         self._finish(*self.live.pop(req.request_id), fh)
+                if self.written_tokens != before:
+                    bar.set_postfix_str(self.turn_summary(), refresh=False)
                 bar.update(min(self.written_tokens, tokens) - min(before, tokens))
         bar.close()
         return self.written_tokens
@@ -249,5 +259,5 @@ def run_distill(args) -> int:
     d = Distiller(llm, out, concurrency=args.concurrency, max_new_tokens=args.max_new_tokens, seed=args.seed,
                   features=writer)
     n = d.run(args.tokens)
-    print(f"wrote {n} answer tokens to {out}", file=sys.stderr)
+    print(f"wrote {n} answer tokens to {out}; Magpie {d.turn_summary()} written outside it", file=sys.stderr)
     return 0
