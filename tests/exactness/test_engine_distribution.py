@@ -158,8 +158,11 @@ def script_the_clocks(monkeypatch, models):
     """The engine's clock ticks at random, and a target forward moves it on by a seeded random cost of mean
     FORWARD_S + ROW_S a row (a step dearer than a draft, a row cheap: drafts sometimes pay); the drafter's clock
     stands still (so its draft steps and catch-ups cost nothing of their own and the engine's measure of a draft is
-    a tick or two). The cost model then drafts in some steps and not in others, with K = 1 and K = 2."""
-    clock, rng = ScriptedClock(1, 1e-4), np.random.default_rng(2)
+    a tick or two). The cost model then drafts in some steps and not in others, with K = 1 and K = 2: ~60% of them
+    with these seeds. Costs this noisy (exponential: as spread as they are large) often talk it out of drafting in
+    requests of 3 tokens, too short for a retry: of seeds 0-7 for ``rng``, 1-3 give a mix, the rest < 7% drafted
+    steps (the test's check on the mix fails those)."""
+    clock, rng = ScriptedClock(1, 1e-4), np.random.default_rng(7)
     monkeypatch.setattr(verispec.engine.engine, "time", clock)
     monkeypatch.setattr(verispec.drafters.draft_model, "time", ScriptedClock(0, 0.0))
     forward = models.target.forward_paged

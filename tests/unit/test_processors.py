@@ -11,7 +11,7 @@ import torch
 from exact_helpers import BanLast
 from verispec import LLM, SamplingParams
 from verispec.sampling import (LogitsProcessor, Prefix, ProcessorChain, argmax, draw, logits_to_probs, next_token,
-                               row_prefixes)
+                               row_prefixes, sample)
 from verispec.spec.verify import verify
 
 PARAMS = [dict(temperature=0), dict(temperature=1.0), dict(temperature=0.7, top_k=5),
@@ -57,14 +57,14 @@ def test_the_chain_is_the_mask_then_logits_to_probs_bitwise(kw, dtype):
 
 @pytest.mark.parametrize("kw", PARAMS)
 def test_draw_is_the_old_drafter_code_draw_for_draw(kw):
-    """draw() replaced logits_to_probs + torch.multinomial / argmax in the drafters: same tokens, same q, same
+    """draw() is logits_to_probs + sample / argmax, as the drafters once wrote it: same tokens, same q, same
     generator state afterwards."""
     params = SamplingParams(**kw)
     logits = torch.randn(1, 40, generator=torch.Generator().manual_seed(1)) * 2
     g_old, g_new = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     for _ in range(20):
         probs = None if params.greedy else logits_to_probs(logits, params)
-        old = argmax(logits) if probs is None else torch.multinomial(probs, 1, generator=g_old)[:, 0]
+        old = argmax(logits) if probs is None else sample(probs, g_old)
         token, q = draw(logits, Prefix([1, 2]), ProcessorChain.from_params(params), g_new)
         assert torch.equal(token, old) and token.shape == (1,)
         assert (q is None) == (probs is None) and (q is None or torch.equal(q, probs))

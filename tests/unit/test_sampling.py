@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from exact_helpers import ALPHA, chi2_pvalue
 from verispec import ConfigError, SamplingParams
 from verispec.sampling import argmax, logits_to_probs, mask_logits, next_token, sample
 
@@ -322,6 +323,28 @@ def test_sample_seeded_and_in_support():
     draws = torch.stack([sample(probs, g) for _ in range(400)])  # [400, 2]
     assert set(draws[:, 0].tolist()) == {1, 3}
     assert set(draws[:, 1].tolist()) == {0}
+
+
+def unscaled_sample(probs, generator):
+    """A plausible bug for the negative control: the uniform draw is not scaled by the row's total weight."""
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)
+    u = torch.rand(probs.shape[0], 1, generator=generator, dtype=torch.float64)
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+@pytest.mark.parametrize("sampler, exact", [(sample, True), (unscaled_sample, False)])
+def test_sample_draws_each_row_from_its_weights(sampler, exact):
+    """Chi-square per row against the exact distribution: rows of weights that do not sum to 1 (a verifier's
+    residual), with zero-weight tokens first, inside and last, and one row of a single token; the sampler that
+    forgets the row's total must fail."""
+    weights = torch.tensor([[0.0, 0.3, 0.0, 0.9, 0.6, 0.0, 0.2, 0.0],
+                            [0.05, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.95],
+                            [0.0, 0.0, 0.0, 0.0, 0.7, 0.0, 0.0, 0.0]])  # [3, 8]
+    g = torch.Generator().manual_seed(3)
+    draws = torch.stack([sampler(weights, g) for _ in range(6000)])  # [6000, 3]
+    pvalues = [chi2_pvalue(np.bincount(draws[:, r].numpy(), minlength=8), weights[r].numpy()) for r in range(2)]
+    only = set(draws[:, 2].tolist())
+    assert (min(pvalues) > ALPHA and only == {4}) == exact, (pvalues, only)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
