@@ -15,7 +15,7 @@ import torch
 
 from exact_helpers import ALPHA, chi2_pvalue
 from verispec import ConfigError, SamplingParams
-from verispec.sampling import argmax, logits_to_probs, mask_logits, next_token, sample
+from verispec.sampling import argmax, logits_to_probs, mask_logits, next_token, sample, transforms
 
 # ---------------------------------------------------------------------------------------------
 # SamplingParams validation
@@ -308,6 +308,27 @@ def test_matches_transformers_warpers(temperature, top_k, top_p):
     want = torch.softmax(procs(torch.zeros(len(rows), 1, dtype=torch.long), logits.clone()), -1)
     got = logits_to_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("candidates", [2, 6, 24])
+def test_top_p_among_the_likeliest_keeps_the_whole_sorts_set(monkeypatch, candidates):
+    """top-p looks among the TOP_P_CANDIDATES likeliest tokens first (a sort of the whole row is slow): on rows with
+    many ties, at the candidates' boundary too, it keeps bit for bit the set the whole row's stable sort keeps, and
+    takes each way on some rows (so both are checked)."""
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(400, 40, generator=g) * 2).round() / 2  # [400, 40]: ties everywhere
+    logits[:100] *= 4  # peaked rows: the prefix ends among few candidates
+    probs = torch.softmax(logits, -1)
+    found = 0
+    for top_p in (0.3, 0.8, 0.95):
+        monkeypatch.setattr(transforms, "TOP_P_CANDIDATES", 10**6)
+        whole = [transforms.top_p_drop(row, top_p) for row in probs]
+        monkeypatch.setattr(transforms, "TOP_P_CANDIDATES", candidates)
+        for row, want in zip(probs, whole):
+            found += transforms._top_p_drop_among_candidates(row, top_p) is not None
+            assert torch.equal(transforms.top_p_drop(row, top_p), want)
+        assert torch.equal(transforms.top_p_drop(probs, top_p), torch.stack(whole))  # a batch: the same rows
+    assert 0 < found < 3 * len(probs), found
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,15 +32,45 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        # stable: tied tokens keep vocabulary order, so ties go to the lower id (as argmax) on every
-        # device and batch shape -- the AR sampler and a verifier must keep the very same set
-        sorted_p, idx = probs.sort(dim=-1, descending=True, stable=True)  # [..., V] each
-        # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
-        drop_sorted[..., 0] = False
-        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted), 0.0)
+        probs = probs.masked_fill(top_p_drop(probs, params.top_p), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+TOP_P_CANDIDATES = 1024  # tokens top-p looks at first: a stable sort of 151,936 takes ~13 ms, top-k of 1,024 ~0.7
+
+
+def top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs [..., V] -> the tokens top-p drops, bool [..., V]: all but the smallest prefix of the tokens in order
+    of probability (ties: the lower id first, as argmax) whose mass reaches ``top_p``. A token is dropped when the
+    mass before it already reaches top_p. The order is a stable sort's, so the AR sampler and a verifier keep the
+    very same set on every device and batch shape."""
+    drop = _top_p_drop_among_candidates(probs, top_p)
+    if drop is not None:
+        return drop
+    sorted_p, idx = probs.sort(dim=-1, descending=True, stable=True)  # [..., V] each
+    drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+    drop[..., 0] = False
+    return torch.zeros_like(drop).scatter(-1, idx, drop)
+
+
+def _top_p_drop_among_candidates(probs: torch.Tensor, top_p: float) -> torch.Tensor | None:
+    """top_p_drop from the TOP_P_CANDIDATES most likely tokens alone, put in the whole sort's order; None where
+    that cannot be told from them. It stands when every row's prefix ends before the candidates' smallest
+    probability: every token above it is a candidate, in the same place and with the same running sum as in the
+    sort of the whole row."""
+    if TOP_P_CANDIDATES >= probs.shape[-1]:
+        return None
+    vals, ids = torch.topk(probs, TOP_P_CANDIDATES, dim=-1)  # [..., C] each
+    ids, by_id = ids.sort(-1)  # the candidates by id, then a stable sort by probability: ties by the lower id
+    vals, order = vals.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, order)
+    drop = (vals.cumsum(-1) - vals) >= top_p  # [..., C]
+    drop[..., 0] = False
+    last_kept = vals.masked_fill(drop, float("inf")).amin(-1)  # [...]
+    if not bool((drop[..., -1] & (last_kept > vals[..., -1])).all()):
+        return None
+    return torch.ones_like(probs, dtype=torch.bool).scatter(-1, ids, drop)
 
 
 def mask_logits(logits: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
