@@ -78,7 +78,7 @@ class Distiller:
         self.n_magpie = 0
         self.written_tokens = 0
         # Magpie turn writing: decode work whose tokens are not in the corpus
-        self.turn_tokens, self.turns_kept, self.turns_dropped = 0, 0, 0
+        self.turn_tokens, self.turns_written, self.turns_kept = 0, 0, 0
 
     def _next_task(self) -> T.Task | None:
         if self.follow_ups:
@@ -114,12 +114,11 @@ class Distiller:
         out_ids = [t for t in req.output_ids if t not in self.llm.eos_token_ids]
         text = self.llm.codec.decode(out_ids)
         if task.magpie_lead is not None:
-            self.turn_tokens += len(req.output_ids)
+            self.turn_tokens, self.turns_written = self.turn_tokens + len(req.output_ids), self.turns_written + 1
             turn = T.clean_user_turn(task.magpie_lead + text)
             key = " ".join((turn or "").lower().split()[:12])
-            self.turns_dropped += 1
             if turn and key not in self.seen_turns and not T.overlaps_suite(turn, self.suite):
-                self.turns_dropped, self.turns_kept = self.turns_dropped - 1, self.turns_kept + 1
+                self.turns_kept += 1
                 self.seen_turns.add(key)
                 self.follow_ups.append(T.Task(T._id("magpie-turn", turn), task.category, "magpie",
                                               [{"role": "user", "content": turn}]))
@@ -138,6 +137,10 @@ class Distiller:
         self.by_category[task.category] = self.by_category.get(task.category, 0) + len(req.output_ids)
         if task.source != "follow-up" and text.strip() and self.rng.random() < self.follow_up_share:
             self.follow_ups.append(T.follow_up(task, text, self.rng))
+
+    @property
+    def turns_dropped(self) -> int:
+        return self.turns_written - self.turns_kept
 
     def turn_summary(self) -> str:
         return f"turns {self.turns_kept} kept / {self.turns_dropped} dropped, {self.turn_tokens} tokens"
