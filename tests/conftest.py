@@ -10,6 +10,9 @@ DEFAULT_THREADS = torch.get_num_threads()
 # tests write GGUF files of their own: no native-load cache entries for them in the user's cache
 # (tests/models/test_gguf_native.py turns it on, in a temporary cache, where it tests it)
 os.environ.setdefault("VERISPEC_NATIVE_CACHE", "0")
+# train-head keeps freed memory in malloc for the rest of its process; tests call it in the workers, which
+# should hand memory back between tests (tests/unit/test_keep_freed.py tests it in processes of its own)
+os.environ.setdefault("VERISPEC_KEEP_FREED", "0")
 
 
 REAL_WEIGHTS = "tests/slow/"  # the only tests that load the default models (6 GB float32 target and more)

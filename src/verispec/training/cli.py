@@ -106,6 +106,7 @@ def run_train(args) -> int:
 
     from ..heads.io import read_head
     from ..llm import LLM
+    from ..models.hugepages import keep_freed_memory
     from ..models.loader import load
     from .extract import extract, read_settings, shards, suite_answers
     from .trainer import Trainer, draft_vocabulary, load_split
@@ -139,6 +140,7 @@ def run_train(args) -> int:
         raise VerispecError(f"--resume: no checkpoint at {ckpt}")
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()  # a step re-makes its tensors: no unmapping and re-faulting them each step
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         import torch.distributed as dist
