@@ -130,8 +130,8 @@ def keep_freed_memory() -> bool:
 
     Each block of 2 MB and more is its own mapping (glibc maps large blocks; THP_MEM_ALLOC_ENABLE=1 gives them
     2 MB pages): freeing a tensor unmaps its pages and the next tensor of that size faults and zeroes them again.
-    A training step frees and re-makes its activations and gradients every step, and on 2 cores train-head spent
-    a third of its CPU time in the kernel doing so (docs/BENCHMARKS.md, "The shipped heads and their recipes").
+    A training step frees and re-makes its activations and gradients every step; without this, train-head on 2
+    cores spends a third of its CPU time in the kernel doing so (docs/BENCHMARKS.md, "The shipped heads and their recipes").
     M_MMAP_MAX = 0 serves large blocks from the heap, a high M_TRIM_THRESHOLD keeps its freed top; resident
     memory then stays near the process's peak. False where this is not glibc or VERISPEC_KEEP_FREED=0."""
     if not env_flag("VERISPEC_KEEP_FREED") or not sys.platform.startswith("linux"):
