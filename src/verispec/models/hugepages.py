@@ -21,6 +21,7 @@ they would stay in the process's resident memory next to the copies, a second co
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import sys
 
@@ -30,6 +31,12 @@ from ..config import env_flag
 
 PAGE = 2 << 20  # bytes in a huge page
 ALIGN = 64  # each tensor starts on a cache line
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """This process's C library (OSError where there is none to open)."""
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def available() -> bool:
@@ -79,7 +86,7 @@ def page_out_file_sources(tensors: list[torch.Tensor]) -> None:
                 if len(parts) == 6 and parts[5].startswith("/"):
                     lo, hi = (int(v, 16) for v in parts[0].split("-"))
                     files.append((lo, hi))
-        libc = ctypes.CDLL(None, use_errno=True)
+        libc = _libc()
     except OSError:
         return
     for t in tensors:
@@ -117,7 +124,7 @@ def _trim_heap() -> None:
     """glibc keeps freed blocks of up to 32 MB in the heap: hand the ones the originals left back to the system
     (the 4-bit 0.5B draft: ~200 MB)."""
     try:
-        ctypes.CDLL(None).malloc_trim(0)
+        _libc().malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
 
@@ -137,7 +144,7 @@ def keep_freed_memory() -> bool:
     if not env_flag("VERISPEC_KEEP_FREED") or not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(None)
+        libc = _libc()
         return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
     except (OSError, AttributeError):  # not glibc
         return False
