@@ -9,8 +9,8 @@ loaded model: the default 1.5B native target, or with --draft the 4-bit 0.5B dra
 128-token cache (200 for the draft). A round times 5 forwards of each size per tree. The report gives the
 median over rounds of each round's median, and says whether each tree's logits are bitwise those of the first.
 Rounds interleave the trees, so the VM's bandwidth swings hit them alike; between separate processes they
-would not. A tree whose module has no gguf_layout() (Q6_K stored a byte per weight) runs on a second copy
-of the target loaded with the byte layout it reads.
+would not. A tree whose module reads an older GGUF layout (its gguf_layout(), 1 where it has none) runs on a
+second copy of the target loaded in that layout.
 """
 
 from __future__ import annotations
@@ -64,21 +64,25 @@ def parse(specs: list[str], flag: str, counts: str) -> tuple[list[tuple[str, Pat
 
 
 @contextlib.contextmanager
-def byte_layout():
-    """models/gguf_native.py packs in GGUF layout 1 meanwhile (Q6_K a byte per q, as the kernels read it before
-    the 6-bit layout), for trees from before that change."""
+def packing(layout: int):
+    """models/gguf_native.py packs in an older GGUF layout meanwhile, for trees from before a layout change:
+    1 (Q6_K a byte per q, as the kernels read it before the 6-bit layout) or 2 (Q4_K and Q6_K in the 4-row
+    tiles of the other types, before csrc/linear_kquant.cpp); the current layout packs as it is."""
     from verispec.models import gguf_native as gn
 
-    kinds = gn.KINDS
-    gn.KINDS = {**kinds, "Q6_K": (5, 210, 256, 8)}
+    kinds, tiled = gn.KINDS, gn.TILED
+    if layout <= 2:
+        gn.TILED = ()
+    if layout == 1:
+        gn.KINDS = {**kinds, "Q6_K": (5, 210, 256, 8)}
     try:
         yield
     finally:
-        gn.KINDS = kinds
+        gn.KINDS, gn.TILED = kinds, tiled
 
 
-def old_layout_target(llm, capacity: int):
-    """The default target loaded again in GGUF layout 1 (not from the native cache), and an empty cache for it."""
+def old_layout_target(llm, capacity: int, layout: int):
+    """The default target loaded again in an older GGUF layout (not from the native cache), and an empty cache."""
     import os
 
     from verispec.models.kv_cache import KVCache
@@ -87,7 +91,7 @@ def old_layout_target(llm, capacity: int):
     cache_flag = os.environ.get("VERISPEC_NATIVE_CACHE")
     os.environ["VERISPEC_NATIVE_CACHE"] = "0"
     try:
-        with byte_layout():
+        with packing(layout):
             model = load(llm.target.source, llm.dtype, "cpu", progress=False, weights="native").model
     finally:
         if cache_flag is None:
@@ -131,8 +135,9 @@ def report(args) -> None:
     model(ids[:, :ctx], torch.arange(ctx)[None], cache, num_logits=1)
     models = {kernels.GGUF_LAYOUT: (model, cache)}  # GGUF layout -> the model in it, its cache
     layouts = {name: getattr(mod, "gguf_layout", lambda: 1)() for name, mod in mods.items()}
-    if not args.draft and 1 in layouts.values():
-        models[1] = old_layout_target(llm, ctx + max(sizes))
+    for layout in set(layouts.values()) - {kernels.GGUF_LAYOUT}:
+        if not args.draft:
+            models[layout] = old_layout_target(llm, ctx + max(sizes), layout)
     quantized = [m for m in model.modules() if isinstance(m, Linear) and m.qop is not None]
     times = {(n, T): [] for n in mods for T in sizes}
     logits = {}

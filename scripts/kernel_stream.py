@@ -9,8 +9,8 @@ Q4_K 17920 x 1536 (fused gate/up) and Q6_K 1536 x 8960 (down). --copies distinct
 so with the default 24 (~380 / 350 MB) every call reads its weights from DRAM, as a forward does; --copies 1
 keeps one matrix in the caches (compute-bound timing). A round times one pass over the copies per tree; the
 report gives the median over rounds of ms per matrix, and checks each tree's outputs bitwise against the
-first's. --isa avx2 forces every tree's AVX2 path (on an AVX512 machine). A tree whose module has no gguf_layout()
-(Q6_K stored a byte per weight) gets the same blocks in the byte layout it reads.
+first's. --isa avx2 forces every tree's AVX2 path (on an AVX512 machine). A tree whose module reads an older GGUF
+layout (its gguf_layout(), 1 where it has none) gets the same blocks in that layout.
 """
 
 from __future__ import annotations
@@ -24,14 +24,12 @@ SHAPES = (("Q4_K", 17920, 1536), ("Q6_K", 1536, 8960))
 BLOCK = {"Q4_K": (144, 256, (0, 2)), "Q6_K": (210, 256, (208,))}  # bytes, weights, fp16 fields per block
 
 
-def random_weight(type_name: str, N: int, K: int, rng, layouts=(2,)):
+def random_weight(type_name: str, N: int, K: int, rng, layouts=(3,)):
     """-> {layout: NativeWeight}: the same random blocks laid out for each kernel layout in layouts (1: before
     Q6_K was stored in 6 bits, for A/B against trees from before that change)."""
-    import contextlib
-
     import numpy as np
 
-    from kernel_ab import byte_layout
+    from kernel_ab import packing
     from verispec.models import gguf_native as gn
 
     nbytes, per, halves = BLOCK[type_name]
@@ -41,7 +39,7 @@ def random_weight(type_name: str, N: int, K: int, rng, layouts=(2,)):
     q, s = gn.decode(raw.reshape(-1), type_name, N, K)
     out = {}
     for layout in layouts:
-        with byte_layout() if layout == 1 else contextlib.nullcontext():
+        with packing(layout):
             out[layout] = gn.NativeWeight.from_parts([gn.NativePart(type_name, q, s)])
     return out
 

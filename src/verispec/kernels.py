@@ -11,10 +11,10 @@ import warnings
 
 import torch  # before the extension: it links against libtorch
 
-# The block layout linear_gguf.cpp reads (kGgufLayout in csrc/kernels.h; models/gguf_native.py writes it). 2:
-# Q6_K in 6 bits. An extension built from an older source (an editable install updated without a rebuild)
+# The block layout linear_gguf.cpp reads (kGgufLayout in csrc/kernels.h; models/gguf_native.py writes it). 3:
+# Q4_K and Q6_K in tiles of 16 rows (csrc/linear_kquant.cpp). An extension built from an older source (an editable install updated without a rebuild)
 # would read the new blocks wrongly: it is not used.
-GGUF_LAYOUT = 2
+GGUF_LAYOUT = 3
 
 try:
     from . import _C

@@ -411,6 +411,36 @@ def test_long_inputs_in_row_blocks_give_each_row_its_own_result(name):
     assert bound_check(full, x, W, None) <= 1.0
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K"])
+def test_every_tile_shape_gives_each_row_its_own_result(name):
+    """csrc/linear_kquant.cpp runs Q4_K / Q6_K in tiles of 16 weight rows: 1-8 activation rows a pass (rows 9-16 in a
+    second), over 4, 2 or 1 tiles at once (as many as the registers hold), a thread's range of tiles cut into those
+    groups. 12 tiles, the last with 3 rows, give every grouping at 1 and 2 threads; each M = 1..16 must give every
+    row bitwise its result alone, on every path this CPU has, and every path the portable one's."""
+    K, N = 768, 16 * 11 + 3
+    nw, W, _ = matrix(((name, N),), K, seed=23)
+    x = activations(16, K, seed=24)
+    bias = torch.randn(N)
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for path in ["portable", *(p for p in ("avx2", "avx512-vnni") if p in kernels.cpu_isas())]:
+            kernels.set_isa("auto" if path == "avx512-vnni" else path)
+            assert kernels.isa().endswith(path)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                alone = torch.cat([linear(x[i:i + 1], nw, bias) for i in range(16)])
+                for M in range(1, 17):
+                    assert torch.equal(linear(x[:M], nw, bias), alone[:M]), (path, threads, M)
+                results[path, threads] = alone
+    finally:
+        kernels.set_isa("auto")
+        torch.set_num_threads(before)
+    first = next(iter(results.values()))
+    assert all(torch.equal(r, first) for r in results.values())
+    assert tight_check(first, x, W, bias) <= 0
+
+
 def test_rows_do_not_depend_on_the_thread_split():
     nw, _, _ = matrix((("Q4_K", 21), ("Q8_0", 19)), 512, seed=14)  # 11 tiles: split across threads
     x = activations(5, 512, seed=15)

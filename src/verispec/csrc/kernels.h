@@ -7,7 +7,7 @@
 
 namespace verispec {
 
-constexpr int64_t kGgufLayout = 2;  // how linear_gguf.cpp wants GGUF blocks laid out (GGUF_LAYOUT in kernels.py)
+constexpr int64_t kGgufLayout = 3;  // how linear_gguf.cpp wants GGUF blocks laid out (GGUF_LAYOUT in kernels.py)
 constexpr int64_t kMaxRows = 16;  // decode (1 row) and verify (k + 1 rows) calls
 constexpr int64_t kChunk = 64;    // k elements per packed chunk, in both weight formats
 
@@ -70,6 +70,21 @@ torch::Tensor linear_q4(const torch::Tensor& x, const torch::Tensor& packed, con
 // GGUF blocks used natively (linear_gguf.cpp): segments stacked along N, meta rows (kind, rows, tiles,
 // offset in q, offset in s, K)
 int64_t gguf_block(int64_t K);
+// Q4_K / Q6_K in tiles of 16 weight rows (linear_kquant.cpp): activations in natural order, per block of 512 (then
+// 256) one scale, per group of 16 / 32 the sums the kinds need
+struct KActs {
+  int64_t M = 0, K = 0, nb = 0;
+  std::vector<int8_t> q;       // [M][K]
+  std::vector<float> sx;       // [M][nb]
+  std::vector<int32_t> xs16;   // [M][K / 16]: -32 x the group's sum (Q6_K)
+  std::vector<int16_t> xs32;   // [M][K / 32]: the group's sum (Q4_K)
+};
+bool kquant_tiled(int64_t kind);
+int64_t kquant_tile_q(int64_t kind, int64_t K);
+int64_t kquant_tile_s(int64_t kind, int64_t K);
+KActs kquant_acts(const torch::Tensor& x2);
+void kquant_tiles(int64_t kind, const KActs& a, const uint8_t* q, const uint8_t* s, int64_t t0, int64_t t1,
+                  int64_t rows, int64_t n0, int64_t m_lo, int64_t m_hi, const Output& out, const float* bias, float* y);
 torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
                           const torch::Tensor& meta, const c10::optional<torch::Tensor>& bias);
 std::vector<torch::Tensor> attend_parts(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,

@@ -1,5 +1,7 @@
 // GGUF-quantized matrices used as they are: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), W in llama.cpp's
 // Q8_0, Q4_0, Q5_0, Q4_K, Q5_K or Q6_K blocks, for any M (decode: 1 row, verify: k + 1 rows, prefill: many).
+// Q4_K and Q6_K segments (the default target's) run in linear_kquant.cpp's tiles of 16 weight rows with their group
+// scales applied in integers; this file runs the other types, and is the entry point for all.
 //
 // Every one of those formats is "an unsigned integer q per weight, and per group of 16 or 32 weights a scale
 // s and a min m": w = s * q + m. models/gguf_native.py re-lays a tensor's blocks out for this kernel once, at
@@ -759,37 +761,44 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
   TORCH_CHECK(md[5] == K, "linear_gguf: x has ", K, " features, the weight ", md[5]);
   TORCH_CHECK(K % 128 == 0, "linear_gguf: K must be a multiple of 128, got ", K);
   const Blocks bl(K);
-  std::vector<Segment> segs;
-  int64_t n0 = 0, total_tiles = 0;
+  std::vector<Segment> segs, segs16;  // tiles of NR rows (this file) and of 16 (Q4_K, Q6_K: linear_kquant.cpp)
+  int64_t n0 = 0, total_tiles = 0, total16 = 0;
   for (int64_t i = 0; i < meta.size(0); ++i) {
     const int64_t* r = md + i * META;
     const int64_t kind = r[0], rows = r[1], tiles = r[2], qoff = r[3], soff = r[4];
     TORCH_CHECK(r[5] == K, "linear_gguf: segment ", i, " has another K");
     TORCH_CHECK(kind >= 0 && kind < kKinds, "linear_gguf: unknown kind ", kind);
     TORCH_CHECK(!k_quant(kind) || K % 256 == 0, "linear_gguf: K-quants need K % 256 == 0");
-    TORCH_CHECK(rows > (tiles - 1) * NR && rows <= tiles * NR, "linear_gguf: segment ", i, " has ", tiles,
-                " tiles of ", NR, " rows for ", rows, " rows");
+    const int64_t tr = kquant_tiled(kind) ? 16 : NR;  // rows per tile
+    TORCH_CHECK(rows > (tiles - 1) * tr && rows <= tiles * tr, "linear_gguf: segment ", i, " has ", tiles,
+                " tiles of ", tr, " rows for ", rows, " rows");
     Segment sg{kind, rows, tiles, n0, nullptr, nullptr, {}, 0, 0};
-    for (int64_t b = 0; b < bl.count; ++b) {
-      sg.qo.push_back(sg.tile_q);
-      sg.tile_q += NR * q_bytes(kind, bl.size[b]);
+    if (kquant_tiled(kind)) {
+      sg.tile_q = kquant_tile_q(kind, K);
+      sg.tile_s = kquant_tile_s(kind, K);
+    } else {
+      for (int64_t b = 0; b < bl.count; ++b) {
+        sg.qo.push_back(sg.tile_q);
+        sg.tile_q += NR * q_bytes(kind, bl.size[b]);
+      }
+      sg.tile_s = NR * row_scale_bytes(kind, K);
     }
-    sg.tile_s = NR * row_scale_bytes(kind, K);
     TORCH_CHECK(qoff >= 0 && soff >= 0 && qoff + tiles * sg.tile_q <= q.numel() && soff + tiles * sg.tile_s <= s.numel(),
                 "linear_gguf: segment ", i, " lies outside q or s");
     sg.q = q.data_ptr<uint8_t>() + qoff;
     sg.s = s.data_ptr<uint8_t>() + soff;
     n0 += rows;
-    total_tiles += tiles;
-    segs.push_back(std::move(sg));
+    (kquant_tiled(kind) ? total16 : total_tiles) += tiles;
+    (kquant_tiled(kind) ? segs16 : segs).push_back(std::move(sg));
   }
   const int64_t N = n0;
   const torch::Tensor bt = fp32_bias(bias);
   TORCH_CHECK(!bt.defined() || bt.numel() == N, "linear_gguf: bias has ", bt.defined() ? bt.numel() : 0,
               " values for ", N, " outputs");
   auto x2 = x.reshape({-1, K}).contiguous();
-  const Acts a = quantize_acts(x2, bl);
-  const int64_t M = a.M;
+  const Acts a = total_tiles ? quantize_acts(x2, bl) : Acts{};
+  const KActs ka = total16 ? kquant_acts(x2) : KActs{};
+  const int64_t M = x2.size(0);
   const float* bp = bt.defined() ? bt.data_ptr<float>() : nullptr;
   const Output out(x, M, N);
   const bool vec = has_vnni(), avx2 = has_avx2();
@@ -800,6 +809,19 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
   const int64_t rows_per_block = std::max<int64_t>(16, (262144 / K) / MT * MT);
   for (int64_t m_lo = 0; m_lo < M; m_lo += rows_per_block) {
     const int64_t m_hi = std::min(M, m_lo + rows_per_block);
+    if (total16)
+      at::parallel_for(0, total16, 1, [&](int64_t t0, int64_t t1) {
+        std::vector<float> y((m_hi - m_lo) * 64);
+        int64_t base = 0;  // first global tile of the segment
+        for (const Segment& sg : segs16) {
+          const int64_t lo = std::max(t0, base), hi = std::min(t1, base + sg.tiles);
+          if (lo < hi)
+            kquant_tiles(sg.kind, ka, sg.q + (lo - base) * sg.tile_q, sg.s + (lo - base) * sg.tile_s, lo - base, hi - base,
+                         sg.rows, sg.n0, m_lo, m_hi, out, bp, y.data());
+          base += sg.tiles;
+        }
+      });
+    if (total_tiles)
     at::parallel_for(0, total_tiles, 4, [&](int64_t t0, int64_t t1) {
       std::vector<float> sv(bl.count * NR * LANES), mv(bl.count * NR * LANES), dots((MT + 1) * NR);
       size_t si = 0;

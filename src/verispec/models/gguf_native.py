@@ -21,6 +21,8 @@ import torch
 from .. import kernels
 
 NR = 4  # weight rows per tile (csrc/linear_gguf.cpp)
+NT = 16  # weight rows per tile of the Q4_K / Q6_K layout (csrc/linear_kquant.cpp)
+TILED = ("Q4_K", "Q6_K")
 LAYOUT = kernels.GGUF_LAYOUT  # version of the layout written here (a cached load of another is rebuilt)
 LANES = 16
 
@@ -166,12 +168,44 @@ class Segment:
     s: np.ndarray  # [tiles, NR * scale bytes per row] uint8
 
 
+def _pack_tiled(q: np.ndarray, scales: np.ndarray, type_name: str) -> Segment:
+    """Q4_K / Q6_K -> tiles of NT rows, super-block after super-block (the layout at the top of
+    csrc/linear_kquant.cpp): in each 64 bytes lane n holds 4 consecutive q of row n; quads 2p and 2p + 1 share
+    the bytes of packed p as low and high nibbles (Q6_K: its top 2 bits follow, quads 4u .. 4u + 3 in the u-th
+    64 bytes); the scale fields regrouped so that 16 rows' values of one field sit together."""
+    N, K = q.shape
+    pad, S = -N % NT, K // 256
+    if pad:
+        q = np.concatenate([q, np.zeros((pad, K), np.uint8)])
+        scales = np.concatenate([scales, np.zeros((pad, *scales.shape[1:]), np.uint8)])
+    T = q.shape[0] // NT
+    x = q.reshape(T, NT, S, 64, 4).transpose(0, 2, 3, 1, 4)  # [T, S, quad, row, 4]
+    low = x & 0x0F
+    parts = [(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(T, S, 2048)]
+    if type_name == "Q6_K":
+        top = (x >> 4).reshape(T, S, 16, 4, NT, 4)
+        parts.append((top[:, :, :, 0] | (top[:, :, :, 1] << 2) | (top[:, :, :, 2] << 4) | (top[:, :, :, 3] << 6))
+                     .reshape(T, S, 1024))
+    sc = scales.reshape(T, NT, S, -1).transpose(0, 2, 1, 3)  # [T, S, row, field bytes]
+    fields = [sc[..., 0:2].reshape(T, S, 32)]  # d
+    if type_name == "Q4_K":
+        fields += [sc[..., 2:4].reshape(T, S, 32), sc[..., 4:12].transpose(0, 1, 3, 2).reshape(T, S, 128),
+                   sc[..., 12:20].reshape(T, S, NT, 4, 2).transpose(0, 1, 3, 2, 4).reshape(T, S, 128)]
+    else:
+        fields.append(sc[..., 2:18].transpose(0, 1, 3, 2).reshape(T, S, 256))
+    qt = np.ascontiguousarray(np.concatenate(parts, axis=2).reshape(T, -1))
+    st = np.ascontiguousarray(np.concatenate(fields, axis=2).reshape(T, -1))
+    return Segment(type_name, N, qt, st)
+
+
 def pack(q: np.ndarray, scales: np.ndarray, type_name: str) -> Segment:
     """decode's (q, scales) -> one kernel segment."""
     N, K = q.shape
     if not supported(type_name, K):
         raise ValueError(f"no native kernel for a {type_name} matrix with K = {K} (K-quants need K % 256 == 0, "
                          "the others K % 128 == 0)")
+    if type_name in TILED:
+        return _pack_tiled(q, scales, type_name)
     bits = KINDS[type_name][3]
     lanes = _tiles(_lane_order(q, bits))  # [tiles, NR, K * bits / 8]
     parts, at = [], 0
