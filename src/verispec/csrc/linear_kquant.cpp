@@ -40,9 +40,9 @@ namespace {
 constexpr int64_t NT = 16;   // weight rows per tile
 constexpr int64_t SB = 256;  // weights per super-block
 constexpr int64_t MG = 8;    // activation rows per pass over a tile
-// Weights prefetched this far ahead of a tile's super-block, into L2: from DRAM, M = 8 / 16 then take 0.83 / 0.61x
-// the time without, Q6_K at one row 0.81x; 8 and 16 KB, or into L1, no better. Not for Q4_K passes of 1-2 rows, which
-// it made 7-8% slower (docs/BENCHMARKS.md, "Kernel design choices").
+// Weights prefetched this far ahead of the group in use, into L2, a group's lines at a time: from DRAM (two cores
+// streaming) Q4_K 17920 x 1536 at M = 1 / 8 / 16 0.72 / 1.03 / 1.80 ms against 0.71 / 1.55 / 2.06 without; 8 KB, 2 KB
+// or the super-block's lines in one burst were slower (docs/BENCHMARKS.md, "Kernel design choices").
 constexpr int64_t PF_DIST = 4096;
 
 inline float half_bits(const uint8_t* p) {
@@ -85,13 +85,15 @@ VNNI_TARGET void q4k_vnni(const Work& w, int64_t m0) {
       qs[t] = w.q + t * w.tile_q + sb * 2048;
       ss[t] = w.s + t * w.tile_s + sb * 320;
       _mm_prefetch(reinterpret_cast<const char*>(ss[t] + 320), _MM_HINT_T0);
-      if (MR > 2 && w.pf)
-        for (int64_t o = 0; o < 2048; o += 64) _mm_prefetch(reinterpret_cast<const char*>(qs[t] + PF_DIST + o), _MM_HINT_T1);
+
     }
     __m512i S1[MR][NB];
     for (int i = 0; i < MR; ++i)
       for (int t = 0; t < NB; ++t) S1[i][t] = _mm512_setzero_si512();
     for (int g = 0; g < 8; ++g) {
+      if (w.pf)  // group g's 256 bytes, PF_DIST ahead: spread over the super-block, not in one burst
+        for (int t = 0; t < NB; ++t)
+          for (int64_t o = 0; o < 256; o += 64) _mm_prefetch(reinterpret_cast<const char*>(qs[t] + PF_DIST + 256 * g + o), _MM_HINT_T1);
       __m512i sc[NB];
       for (int t = 0; t < NB; ++t) sc[t] = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ss[t] + 64 + 16 * g)));
 #pragma GCC unroll 2
@@ -161,14 +163,16 @@ VNNI_TARGET void q6k_vnni(const Work& w, int64_t m0) {
       qs[t] = w.q + t * w.tile_q + sb * 3072;
       ss[t] = w.s + t * w.tile_s + sb * 288;
       _mm_prefetch(reinterpret_cast<const char*>(ss[t] + 288), _MM_HINT_T0);
-      if (w.pf)
-        for (int64_t o = 0; o < 3072; o += 64) _mm_prefetch(reinterpret_cast<const char*>(qs[t] + PF_DIST + o), _MM_HINT_T1);
+
       d[t] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ss[t])));
     }
     __m512 f[MR][NB];
     for (int i = 0; i < MR; ++i)
       for (int t = 0; t < NB; ++t) f[i][t] = _mm512_setzero_ps();
     for (int g = 0; g < 16; ++g) {
+      if (w.pf)  // 192 of the super-block's 3072 bytes a group, PF_DIST ahead
+        for (int t = 0; t < NB; ++t)
+          for (int64_t o = 0; o < 192; o += 64) _mm_prefetch(reinterpret_cast<const char*>(qs[t] + PF_DIST + 192 * g + o), _MM_HINT_T1);
       __m512i acc[MR][NB];
       for (int i = 0; i < MR; ++i) {
         const __m512i init = _mm512_set1_epi32(a.xs16[(m0 + i) * (a.K / 16) + sb * 16 + g]);  // -32 x sum
