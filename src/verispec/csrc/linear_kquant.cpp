@@ -232,15 +232,16 @@ KFn vnni_fn(bool q6, int mr, int nb) {
   }
 }
 
-// ---- AVX2: the same integers (vpmaddubsw pairs, <= 2 * 63 * 127, widened by vpmaddwd) and float operations, 8 rows
-// of the tile per register ------------------------------------------------------------------------------------------
+// ---- AVX2: the same integers and float operations, 8 rows of the tile per register. vpmaddubsw's pairs (<= 2 x 63 x
+// 127) are added in int16 over as many quads as cannot overflow (Q4_K: a half group's 4, |.| <= 8 x 15 x 127; Q6_K: 2,
+// <= 4 x 63 x 127), then widened by vpmaddwd: for Q4_K against (sc, sc) pairs, which puts in the group scale too.
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
-AVX2_TARGET inline __m256i quad_dot(__m256i wq, const int8_t* x) {  // 4 products a lane, as vpdpbusd sums them
+AVX2_TARGET inline __m256i bcast32_avx2(const int8_t* x) {
   int32_t v;
   std::memcpy(&v, x, 4);
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(wq, _mm256_set1_epi32(v)), _mm256_set1_epi16(1));
+  return _mm256_set1_epi32(v);
 }
 
 template <int MR>
@@ -255,20 +256,23 @@ AVX2_TARGET void q4k_avx2(const Work& w, int64_t m0) {
       __m256i S1[MR];
       for (int i = 0; i < MR; ++i) S1[i] = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g) {
+        if (w.pf && hf == 0)
+          for (int64_t o = 0; o < 256; o += 64) _mm_prefetch(reinterpret_cast<const char*>(qs + PF_DIST + 256 * g + o), _MM_HINT_T1);
         const __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ss + 64 + 16 * g + 8 * hf)));
+        const __m256i sc2 = _mm256_or_si256(sc, _mm256_slli_epi32(sc, 16));  // (sc, sc): the row's two int16 pairs
         for (int h = 0; h < 2; ++h) {
-          __m256i acc[MR];
-          for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
+          __m256i p16[MR];
           for (int pp = 0; pp < 2; ++pp) {
             const int64_t p = 4 * g + 2 * h + pp;
             const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 64 + 32 * hf));
             const __m256i w0 = _mm256_and_si256(v, lo4), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
             for (int i = 0; i < MR; ++i) {
               const int8_t* x = a.q.data() + (m0 + i) * a.K + sb * SB + 8 * p;
-              acc[i] = _mm256_add_epi32(acc[i], _mm256_add_epi32(quad_dot(w0, x), quad_dot(w1, x + 4)));
+              const __m256i d = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast32_avx2(x)), _mm256_maddubs_epi16(w1, bcast32_avx2(x + 4)));
+              p16[i] = pp ? _mm256_add_epi16(p16[i], d) : d;
             }
           }
-          for (int i = 0; i < MR; ++i) S1[i] = _mm256_add_epi32(S1[i], _mm256_mullo_epi32(acc[i], sc));
+          for (int i = 0; i < MR; ++i) S1[i] = _mm256_add_epi32(S1[i], _mm256_madd_epi16(p16[i], sc2));
         }
       }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ss + 16 * hf)));
@@ -294,7 +298,7 @@ AVX2_TARGET void q4k_avx2(const Work& w, int64_t m0) {
 template <int MR>
 AVX2_TARGET void q6k_avx2(const Work& w, int64_t m0) {
   const KActs& a = *w.a;
-  const __m256i lo4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30);
+  const __m256i lo4 = _mm256_set1_epi8(0x0f), top2 = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
   for (int64_t sb = 0; sb < w.nsb; ++sb) {
     const uint8_t* qs = w.q + sb * 3072;
     const uint8_t* ss = w.s + sb * 288;
@@ -304,16 +308,21 @@ AVX2_TARGET void q6k_avx2(const Work& w, int64_t m0) {
       __m256 f[MR];
       for (int i = 0; i < MR; ++i) f[i] = _mm256_setzero_ps();
       for (int g = 0; g < 16; ++g) {
+        if (w.pf && hf == 0)
+          for (int64_t o = 0; o < 192; o += 64) _mm_prefetch(reinterpret_cast<const char*>(qs + PF_DIST + 192 * g + o), _MM_HINT_T1);
         __m256i acc[MR];
         for (int i = 0; i < MR; ++i) acc[i] = _mm256_set1_epi32(a.xs16[(m0 + i) * (a.K / 16) + sb * 16 + g]);
         const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 2048 + g * 64 + 32 * hf));
-        for (int qi = 0; qi < 4; ++qi) {
-          const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (2 * g + qi / 2) * 64 + 32 * hf));
-          const __m256i lo = _mm256_and_si256(qi % 2 ? _mm256_srli_epi16(nib, 4) : nib, lo4);
-          const __m256i hi = qi == 0 ? _mm256_slli_epi16(top, 4) : qi == 1 ? _mm256_slli_epi16(top, 2) : qi == 2 ? top : _mm256_srli_epi16(top, 2);
-          const __m256i wq = _mm256_or_si256(lo, _mm256_and_si256(hi, top2));
-          for (int i = 0; i < MR; ++i)
-            acc[i] = _mm256_add_epi32(acc[i], quad_dot(wq, a.q.data() + (m0 + i) * a.K + sb * SB + 16 * g + 4 * qi));
+        for (int half = 0; half < 2; ++half) {  // quads 2 half, 2 half + 1: one packed register
+          const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + (2 * g + half) * 64 + 32 * hf));
+          const __m256i ta = half ? top : _mm256_slli_epi16(top, 4), tb = half ? _mm256_srli_epi16(top, 2) : _mm256_slli_epi16(top, 2);
+          const __m256i wa = _mm256_or_si256(_mm256_and_si256(nib, lo4), _mm256_and_si256(ta, top2));
+          const __m256i wb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(nib, 4), lo4), _mm256_and_si256(tb, top2));
+          for (int i = 0; i < MR; ++i) {
+            const int8_t* x = a.q.data() + (m0 + i) * a.K + sb * SB + 16 * g + 8 * half;
+            const __m256i p16 = _mm256_add_epi16(_mm256_maddubs_epi16(wa, bcast32_avx2(x)), _mm256_maddubs_epi16(wb, bcast32_avx2(x + 4)));
+            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(p16, ones));
+          }
         }
         const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ss + 32 + 16 * g + 8 * hf)));
         const __m256 scd = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
