@@ -46,7 +46,7 @@ def test_bench_schema_peers_and_floor(tiny_dirs, tmp_path, prompt_file, capsys):
     for key in ("ours_ms_per_token", "hf_ms_per_token", "floor_ms_per_token", "ratio_to_floor",
                 "read_bandwidth_gbs", "weight_bytes", "speedup_vs_hf", "outputs_identical", "verify_cost_ms"):
         assert key in d, key
-    assert set(d["verify_cost_ms"]) == {"1", "2", "4", "8", "16"}
+    assert set(d["verify_cost_ms"]) == {str(T) for T in range(1, 17)}  # v(T) for every T a round can verify
     # float32 tiny model, greedy, same padding rows suppressed: transformers (every mode) gives our AR's tokens
     assert set(report["peers"]) == {"hf", "hf-assistant", "hf-lookup"}
     for name, peer in report["peers"].items():

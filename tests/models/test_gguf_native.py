@@ -1004,3 +1004,25 @@ def test_auto_dtype_is_float32_only_where_bf16_products_are_emulated(ggufs, tiny
 
     monkeypatch.setattr(linear, "_FAST_BF16", True)  # avx512_bf16 / AMX: bf16 everywhere
     assert loader.auto_dtype(hf, "auto", "cpu") == torch.bfloat16
+
+
+def test_kernel_report_gives_each_group_against_the_measured_peak(ggufs, capsys):
+    """python -m verispec.bench.native_matmul: per matrix group the time, then G MAC/s and its share of the
+    machine's int8 peak (csrc/peak.cpp, measured on the path in use); the portable path has no peak to report."""
+    from verispec.bench import native_matmul
+
+    path = str(ggufs["qwen2"][0])
+    assert native_matmul.main(["--model", path, "--rows", "1,8", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    if kernels.fast():
+        assert kernels.int8_peak_macs() > 1e9  # at least a G MAC/s on any vector path
+        table = out.split("G MAC/s (share of the measured int8 peak")[1].splitlines()
+        rows = [line for line in table if line.startswith("| 8 |")]
+        groups = rows[0].split("|")[2:-1]  # five groups ("-": none in this model) and the total
+        assert len(groups) == 6 and "%)" in groups[-1] and sum("%)" in g for g in groups) >= 4
+    kernels.force_portable(True)
+    try:
+        assert kernels.int8_peak_macs() == 0.0
+    finally:
+        kernels.set_isa("auto")
+    assert native_matmul.main(["--model", path, "--rows", "0"]) == 2  # bad input: one line, exit 2

@@ -1,12 +1,17 @@
-"""Time the native GGUF matrix products of one forward (every layer matrix and the LM head) for M rows.
+"""Time the native GGUF matrix products of one forward (every layer matrix and the LM head) for M rows, against
+the machine's measured integer peak.
 
     python -m verispec.bench.native_matmul [--model NAME_OR_PATH] [--rows 1,2,4,5,8,9,16] [--repeats 9]
 
 The matrices of ``--model`` loaded with weights="native" (csrc/linear_gguf.cpp), grouped as a forward uses
 them (fused q/k/v, o, fused gate/up, down, head), called in model order with M random bf16 rows; M rows is
 what a forward over M new tokens multiplies. Per group and in total: the median of ``--repeats`` timed
-passes, rounds interleaved across M so that the VM's bandwidth swings hit every M alike. A micro-benchmark
-for kernel work: `verispec bench` measures whole forwards (attention, norms, Python) and what users get.
+passes, rounds interleaved across M so that the VM's bandwidth swings hit every M alike. A second table gives
+each group's achieved G MAC/s (M x N x K a call over its time) and its share of the peak: one core's measured
+vpdpbusd (AVX512-VNNI) or vpmaddubsw (AVX2) multiply-accumulates a second (csrc/peak.cpp) times the threads.
+The weights stream from memory as in a forward, so small M is bound by bandwidth, not by the peak.
+A micro-benchmark for kernel work: `verispec bench` measures whole forwards (attention, norms, Python) and
+what users get.
 """
 
 from __future__ import annotations
@@ -52,6 +57,18 @@ def run(args, rows: list[int]) -> None:
         ms = [statistics.median(times[(g, M)][2:]) * 1e3 for g in GROUPS]
         base = base or sum(ms)
         print(f"| {M} | " + " | ".join(f"{t:.2f}" for t in ms) + f" | {sum(ms):.1f} | {sum(ms) / base:.2f}x |")
+    peak = kernels.int8_peak_macs() * torch.get_num_threads()
+    if not peak:
+        return
+    macs = {g: sum(w.out_features * w.in_features for w in ws) for g, ws in mats.items()}
+    print(f"\nG MAC/s (share of the measured int8 peak, {peak / 1e9:.0f} G MAC/s on {torch.get_num_threads()} threads)")
+    print("| M | " + " | ".join(g.split(".")[-1] for g in GROUPS) + " | total |")
+    print("|---" * (len(GROUPS) + 2) + "|")
+    for M in rows:
+        secs = {g: statistics.median(times[(g, M)][2:]) for g in GROUPS}
+        cells = [M * macs[g] / secs[g] if macs[g] else None for g in GROUPS]
+        cells.append(M * sum(macs.values()) / sum(secs.values()))
+        print(f"| {M} | " + " | ".join("-" if c is None else f"{c / 1e9:.0f} ({100 * c / peak:.0f}%)" for c in cells) + " |")
 
 
 def main(argv=None) -> int:

@@ -73,7 +73,7 @@ def _record(prompt, ids, name: str, method: str, k: int | None, stats: dict, ide
             **{key: stats[key] for key in keys if key in stats}, "identical_to_ar": identical}
 
 
-def verify_cost_curve(llm, sizes=(1, 2, 4, 8, 16), context: int = 128, repeats: int = 8) -> dict[int, float]:
+def verify_cost_curve(llm, sizes=tuple(range(1, 17)), context: int = 128, repeats: int = 8) -> dict[int, float]:
     """ms of one target forward over T new tokens (warm cache of ``context`` tokens), for each T: the median
     of ``repeats`` rounds that each time every size once, after two rounds of warm-up. Sizes one after the
     other (all of T = 1 first) let a slow spell land on one size (seen right after the bandwidth probe:

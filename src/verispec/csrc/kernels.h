@@ -16,6 +16,7 @@ bool has_avx2();                         // whether they use the AVX2 paths now 
 void set_isa(const std::string& name);   // "auto" | "avx2" | "portable" (tests force the other paths)
 std::string isa_name();
 std::vector<std::string> cpu_isas();
+double int8_peak_macs(int64_t iters);  // peak.cpp: one core's multiply-accumulates a second (0: portable)
 
 // Activations of the quantized kernels (activations.cpp): x [..., K] -> int8 rows [M, Kp] (round to nearest,
 // max |x| -> 127, zero padding), one scale per row; checks dtype, K against Kp and M <= kMaxRows.

@@ -11,20 +11,16 @@
 //   Q8_0  8 (byte, q + 128)   32     d              -128 s               d (fp16) per group
 //   Q4_0  4 (nibble)          32     d              -8 s                 d per group
 //   Q5_0  5 (byte)            32     d              -16 s                d per group
-//   Q6_K  6 (4 + 2 bits)      16     d * sc (int8)  -32 s                per 256: d, sc[16]
-//   Q4_K  4 (nibble)          32     d * sc (6-bit) -dmin * mn (6-bit)   per 256: d, dmin, sc[8], mn[8]
-//   Q5_K  5 (byte)            32     d * sc         -dmin * mn           as Q4_K
+//   Q5_K  5 (byte)            32     d * sc (6-bit) -dmin * mn (6-bit)   per 256: d, dmin, sc[8], mn[8]
+// (Q4_K and Q6_K: linear_kquant.cpp.)
 //
 // Layout. K is cut into blocks of 512 k (then one of 256 and one of 128 for what is left). In a block of
 // B, the 16 int32 lanes of a 512-bit register each own B/16 consecutive k: chunk c (64 bytes) holds, in
 // lane l, k = (B/16) l + 4c .. 4c + 3. VNNI's dpbusd, accumulated over the block's B/64 chunks, leaves in
 // each lane the dot product of one group of 32 (or a part of one): the scales are applied once per block,
-// one multiply per 16 lanes, not once per 4 products. (Q6_K's groups of 16: two halves per 512-block.)
+// one multiply per 16 lanes, not once per 4 products.
 // Activations get the same k order.
-//   q: per tile of NR rows, block after block: [NR][B, B/2 or 3B/4] bytes (nibbles: low = chunk 2v, high =
-//      2v + 1; 6 bits: the low 4 as nibbles, then B/4 bytes of top 2 bits, chunk 4u + i's in bits 2i, 2i + 1 of
-//      the u-th 64 bytes: 6 bits a weight, where one byte a weight made a one-token forward read more than
-//      llama.cpp's (bytes a token: docs/BENCHMARKS.md, "Why ratios within one run"));
+//   q: per tile of NR rows, block after block: [NR][B or B/2] bytes (nibbles: low = chunk 2v, high = 2v + 1);
 //   s: per tile [NR][the row's scale bytes, in k order, as in the table].
 // A matrix may be several such segments stacked along N (fused q/k/v and gate/up projections whose parts
 // came in different types): one call computes them all. meta rows: kind, rows, tiles, q offset, s offset, K.
@@ -60,20 +56,17 @@ enum Kind : int64_t { kQ8_0 = 0, kQ4_0 = 1, kQ5_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6
 
 struct Format {
   bool nibbles;  // q in 4 bits: chunks 2v and 2v + 1 in the low and high nibbles of one 64-byte chunk
-  int shift;     // log2 c for the symmetric types, -1: per-group mins (Q4_K, Q5_K)
-  bool bits6;    // q in 6 bits: its low 4 as nibbles (B/2 bytes), then its top 2 (B/4 bytes: chunk 4u + i in
-                 // bits 2i, 2i + 1 of chunk u's bytes), 3/4 of a byte a weight
+  int shift;     // log2 c for the symmetric types, -1: per-group mins (Q5_K)
 };
-constexpr Format kFormats[kKinds] = {{false, 7, false}, {true, 3, false}, {false, 4, false},
-                                     {true, -1, false}, {false, -1, false}, {false, 5, true}};
+// Q4_K and Q6_K run in linear_kquant.cpp: their rows here are not used
+constexpr Format kFormats[kKinds] = {{false, 7}, {true, 3}, {false, 4}, {true, -1}, {false, -1}, {false, 5}};
 
 inline bool k_quant(int64_t kind) { return kind == kQ4_K || kind == kQ5_K || kind == kQ6_K; }
 // q bytes of one weight row's block of B
-constexpr int64_t q_bytes(int64_t kind, int64_t B) { return kFormats[kind].nibbles ? B / 2 : kFormats[kind].bits6 ? B / 4 * 3 : B; }
+constexpr int64_t q_bytes(int64_t kind, int64_t B) { return kFormats[kind].nibbles ? B / 2 : B; }
 inline int64_t row_scale_bytes(int64_t kind, int64_t K) {  // per row, in k order
   switch (kind) {
-    case kQ4_K: case kQ5_K: return K / 256 * 20;
-    case kQ6_K: return K / 256 * 18;
+    case kQ5_K: return K / 256 * 20;
     default: return K / 32 * 2;
   }
 }
@@ -107,7 +100,7 @@ struct Acts {
   int64_t M = 0, K = 0, nb = 0;
   std::vector<int8_t> q;     // [M][K], block after block, in lane order
   std::vector<float> sx;     // [M][nb]
-  std::vector<int32_t> ls;   // [M][nb][3][16]: each lane's sum of q over the block, over chunks 0-3, over 4-7
+  std::vector<int32_t> ls;   // [M][nb][16]: each lane's sum of q over the block
   std::vector<float> lsf;    // [M][nb][16]: the block sums as float
 };
 
@@ -118,16 +111,14 @@ __attribute__((always_inline)) inline void quantize_block(const T* x, int64_t B,
   const float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
   const int64_t per = B / LANES;  // k per lane
   for (int64_t l = 0; l < LANES; ++l) {
-    int32_t lo = 0, hi = 0;
+    int32_t sum = 0;
     for (int64_t i = 0; i < per; ++i) {
       const float v = std::nearbyint(static_cast<float>(x[l * per + i]) * inv);
       const int8_t qi = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, v)));
       q[(i / 4) * 64 + l * 4 + (i % 4)] = qi;  // chunk i / 4, lane l, byte i % 4
-      (i < 16 ? lo : hi) += qi;                // chunks 0-3 / 4-7
+      sum += qi;
     }
-    ls[l] = lo + hi;
-    ls[LANES + l] = lo;
-    ls[2 * LANES + l] = hi;
+    ls[l] = sum;
   }
   *sx = s;
 }
@@ -138,7 +129,7 @@ __attribute__((always_inline)) inline void quantize_all(const T* x, const Blocks
     for (int64_t b = 0; b < a.nb; ++b) {
       const int64_t i = m * a.nb + b, k0 = bl.k0[b];
       quantize_block(x + m * a.K + k0, bl.size[b], a.q.data() + m * a.K + k0, a.sx.data() + i,
-                     a.ls.data() + i * 3 * LANES);
+                     a.ls.data() + i * LANES);
     }
 }
 
@@ -172,7 +163,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_avx512(const 
       const float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
       const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
       int8_t* q = a.q.data() + m * a.K + k0;
-      int32_t* ls = a.ls.data() + i * 3 * LANES;
+      int32_t* ls = a.ls.data() + i * LANES;
       const __mmask16 k16 = per >= 16 ? 0xffff : 0x00ff;
       for (int64_t l = 0; l < LANES; ++l) {
         int32_t part[2] = {0, 0};
@@ -187,8 +178,6 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_avx512(const 
           for (int64_t c = 0; c < (per >= 16 ? 4 : 2); ++c) std::memcpy(q + (i0 / 4 + c) * 64 + l * 4, w + c, 4);
         }
         ls[l] = part[0] + part[1];
-        ls[LANES + l] = part[0];
-        ls[2 * LANES + l] = part[1];
       }
       a.sx[i] = s;
     }
@@ -201,7 +190,7 @@ Acts quantize_acts(const torch::Tensor& x2, const Blocks& bl) {
   a.nb = bl.count;
   a.q.resize(a.M * a.K);
   a.sx.resize(a.M * a.nb);
-  a.ls.resize(a.M * a.nb * 3 * LANES);
+  a.ls.resize(a.M * a.nb * LANES);
   const bool fp32 = x2.scalar_type() == at::kFloat;
   if (has_vnni())
     fp32 ? quantize_avx512(x2.data_ptr<float>(), bl, a) : quantize_avx512(x2.data_ptr<at::BFloat16>(), bl, a);
@@ -209,29 +198,20 @@ Acts quantize_acts(const torch::Tensor& x2, const Blocks& bl) {
     fp32 ? quantize_f32(x2.data_ptr<float>(), bl, a) : quantize_bf16(x2.data_ptr<at::BFloat16>(), bl, a);
   a.lsf.resize(a.M * a.nb * LANES);
   for (int64_t i = 0; i < a.M * a.nb; ++i)
-    for (int64_t l = 0; l < LANES; ++l) a.lsf[i * LANES + l] = static_cast<float>(a.ls[i * 3 * LANES + l]);
+    for (int64_t l = 0; l < LANES; ++l) a.lsf[i * LANES + l] = static_cast<float>(a.ls[i * LANES + l]);
   return a;
 }
 
-// The 16 lane scales (sv) and mins (mv) of one weight row's block of B at k0, from the row's scale bytes s.
-// Q6_K in a 512-block: sv for chunks 0-3, mv for chunks 4-7 (its groups of 16 are half a lane's k). Exact:
+// The 16 lane scales (sv) and mins (mv) of one weight row's block of B at k0, from the row's scale bytes s. Exact:
 // fp16 times an integer of at most 8 bits fits a float's 24-bit significand.
 inline void lane_scales(int64_t kind, int64_t B, int64_t k0, const uint8_t* s, float* sv, float* mv) {
   switch (kind) {
-    case kQ4_K: case kQ5_K:
+    case kQ5_K:
       for (int64_t l = 0; l < LANES; ++l) {
         const int64_t g = k0 / 32 + l * (B / 16) / 32;  // the lane's group of 32
         const uint8_t* r = s + (g / 8) * 20;
         sv[l] = half(r) * static_cast<float>(r[4 + g % 8]);
         mv[l] = -(half(r + 2) * static_cast<float>(r[12 + g % 8]));
-      }
-      break;
-    case kQ6_K:
-      for (int64_t l = 0; l < LANES; ++l) {
-        const int64_t g = k0 / 16 + l * (B / 16) / 16;  // the lane's (first) group of 16
-        const uint8_t* r = s + (g / 16) * 18;
-        sv[l] = half(r) * static_cast<float>(static_cast<int8_t>(r[2 + g % 16]));
-        if (B == 512) mv[l] = half(r) * static_cast<float>(static_cast<int8_t>(r[2 + g % 16 + 1]));
       }
       break;
     default:
@@ -249,7 +229,7 @@ __attribute__((target("f16c"))) inline float half_f16c(const uint8_t* p) {
 template <int KIND>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c")))
 __attribute__((always_inline)) inline void lane_scales_zmm(int64_t B, int64_t k0, const uint8_t* s, __m512& sv, __m512& mv) {
-  if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+  if constexpr (KIND == kQ5_K) {
     const uint8_t* r = s + (k0 / 256) * 20;
     const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 4));  // sc[8], mn[8]
     __m128i sc, mn;
@@ -272,24 +252,6 @@ __attribute__((always_inline)) inline void lane_scales_zmm(int64_t B, int64_t k0
     }
     sv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sc)));
     mv = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mn))));
-  } else if constexpr (KIND == kQ6_K) {
-    const uint8_t* r = s + (k0 / 256) * 18;
-    const __m128i v0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2));
-    if (B == 512) {  // lane l: record l / 8, groups 2 (l % 8) (sv) and 2 (l % 8) + 1 (mv)
-      const __m128i v1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 20));
-      const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-      const __m128i a0 = _mm_shuffle_epi8(v0, eo), a1 = _mm_shuffle_epi8(v1, eo);
-      int32_t h0 = 0, h1 = 0;
-      std::memcpy(&h0, r, 2);
-      std::memcpy(&h1, r + 18, 2);
-      const __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_insert_epi32(_mm_cvtsi32_si128(h0), h1, 1)));
-      const __m512 d = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2), f);
-      sv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(a0, a1))));
-      mv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi64(a0, a1))));
-    } else {
-      sv = _mm512_mul_ps(_mm512_set1_ps(half_f16c(r)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v0)));
-      mv = sv;  // unused
-    }
   } else {
     const uint8_t* r = s + (k0 / 32) * 2;
     if (B == 512) {  // lane l: group l
@@ -321,8 +283,7 @@ static void tile_scales_avx512(const Blocks& bl, const uint8_t* st, int64_t rsb,
 using ScalesFn = void (*)(const Blocks&, const uint8_t*, int64_t, float*, float*);
 ScalesFn scales_for(int64_t kind) {
   switch (kind) {
-    case kQ4_K: case kQ5_K: return tile_scales_avx512<kQ4_K>;
-    case kQ6_K: return tile_scales_avx512<kQ6_K>;
+    case kQ5_K: return tile_scales_avx512<kQ5_K>;
     default: return tile_scales_avx512<kQ8_0>;
   }
 }
@@ -332,7 +293,7 @@ template <int KIND>
 __attribute__((target("avx2,fma,f16c"), always_inline))
 inline void lane_scales_avx2(int64_t B, int64_t k0, const uint8_t* s, float* sv, float* mv) {
   for (int hf = 0; hf < 2; ++hf) {  // lanes 8 hf .. 8 hf + 7
-    if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+    if constexpr (KIND == kQ5_K) {
       const uint8_t* r = s + (k0 / 256) * 20;
       __m128i sc, mn;
       const uint8_t* rd = r;
@@ -351,19 +312,6 @@ inline void lane_scales_avx2(int64_t B, int64_t k0, const uint8_t* s, float* sv,
       const __m256 d = _mm256_set1_ps(half_f16c(rd)), dmin = _mm256_set1_ps(half_f16c(rd + 2));
       _mm256_storeu_ps(sv + 8 * hf, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc))));
       _mm256_storeu_ps(mv + 8 * hf, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)))));
-    } else if constexpr (KIND == kQ6_K) {
-      const uint8_t* r = s + (k0 / 256) * 18;
-      if (B == 512) {  // lane l: record l / 8, groups 2 (l % 8) (sv) and 2 (l % 8) + 1 (mv)
-        const uint8_t* rr = r + 18 * hf;
-        const __m128i eo = _mm_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-        const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rr + 2)), eo);
-        const __m256 d = _mm256_set1_ps(half_f16c(rr));
-        _mm256_storeu_ps(sv + 8 * hf, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
-        _mm256_storeu_ps(mv + 8 * hf, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
-      } else {  // lane l: group l
-        const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 2 + 8 * hf));
-        _mm256_storeu_ps(sv + 8 * hf, _mm256_mul_ps(_mm256_set1_ps(half_f16c(r)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
-      }
     } else {
       const uint8_t* r = s + (k0 / 32) * 2;
       __m256 v;
@@ -428,35 +376,15 @@ inline void epilogue(const Acts& a, int64_t r, __m512i acc, __m512 scale, __m512
   facc = _mm512_fmadd_ps(v, _mm512_set1_ps(a.sx[r]), facc);
 }
 
-// Chunk c of a weight row's block (qj) as one q per byte: the bytes themselves, or with SIX (6 bits) its
-// nibble and its top 2 bits put together.
-template <bool SIX, int64_t BK>
-__attribute__((target("avx512f,avx512bw"), always_inline))
-inline __m512i chunk_q(const uint8_t* qj, int64_t c) {
-  if constexpr (SIX) {
-    const __m512i nib = _mm512_loadu_si512(qj + (c / 2) * 64);
-    const __m512i hb = _mm512_loadu_si512(qj + BK / 2 + (c / 4) * 64);
-    const __m512i lo = _mm512_and_si512(c % 2 ? _mm512_srli_epi16(nib, 4) : nib, _mm512_set1_epi8(0x0f));
-    const __m512i hi = c % 4 == 0 ? _mm512_slli_epi16(hb, 4) : c % 4 == 1 ? _mm512_slli_epi16(hb, 2)
-                       : c % 4 == 2 ? hb : _mm512_srli_epi16(hb, 2);  // chunk c's top 2 bits at bits 4, 5
-    return _mm512_ternarylogic_epi32(lo, hi, _mm512_set1_epi8(0x30), 0xF8);  // lo | (hi & 0x30)
-  } else {
-    return _mm512_loadu_si512(qj + c * 64);
-  }
-}
-
 // One block of BK for MR activation rows x NRS weight rows (rows j0 .. of the tile), into facc.
 // INL: the lane scales made here from the scale bytes, as used (one pass over the tile: M <= 5), not read
-// back from the tile's [nb][NR][16] arrays; the same values either way. Q6_K's two halves of a 512-block
-// share one making of them.
+// back from the tile's [nb][NR][16] arrays; the same values either way.
 template <int MR, int NRS, int KIND, int BK, bool INL>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c"), always_inline))
 inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m512 (&facc)[MR][NRS]) {
-  constexpr bool NIB = kFormats[KIND].nibbles, SIX = kFormats[KIND].bits6;
+  constexpr bool NIB = kFormats[KIND].nibbles;
   constexpr int SHIFT = kFormats[KIND].shift;
   constexpr int64_t CH = BK / 64, QB = q_bytes(KIND, BK);
-  constexpr int HALVES = (KIND == kQ6_K && BK == 512) ? 2 : 1;  // epilogues per block
-  constexpr int64_t CPH = CH / HALVES;                          // chunks per epilogue
   const Acts& a = *t.a;
   const uint8_t* qb = t.q + t.qo[b] + j0 * QB;
   if (t.pf)
@@ -465,12 +393,11 @@ inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m
   const int8_t* xb = a.q.data() + m0 * a.K + t.bl->k0[b];
   // one row: a second set of integer accumulators for odd chunks hides dpbusd's latency (exact: same sums)
   constexpr int U = (MR == 1 && !NIB) ? 2 : 1;
-  __m512 keep[NRS];  // INL: each weight row's mins (Q6_K: the second half's scales)
-#pragma GCC unroll 2
-  for (int h = 0; h < HALVES; ++h) {
+  __m512 keep[NRS];  // INL: each weight row's mins
+  {
     __m512i acc[MR][NRS], acc2[MR][NRS];
     for (int i = 0; i < MR; ++i) {
-      const int32_t* ls = a.ls.data() + ((m0 + i) * a.nb + b) * 3 * LANES + (HALVES == 2 ? (1 + h) * LANES : 0);
+      const int32_t* ls = a.ls.data() + ((m0 + i) * a.nb + b) * LANES;
       __m512i init = _mm512_setzero_si512();
       if constexpr (SHIFT >= 0)  // symmetric: start from -c * (the lane's activation sum)
         init = _mm512_sub_epi32(init, _mm512_slli_epi32(_mm512_loadu_si512(ls), SHIFT));
@@ -480,11 +407,11 @@ inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m
       }
     }
 #pragma GCC unroll 8
-    for (int64_t c = h * CPH; c < (h + 1) * CPH; c += (NIB ? 2 : U)) {
+    for (int64_t c = 0; c < CH; c += (NIB ? 2 : U)) {
       if constexpr (U == 2) {
         for (int j = 0; j < NRS; ++j) {
-          acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], chunk_q<SIX, BK>(qb + j * QB, c), _mm512_loadu_si512(xb + c * 64));
-          acc2[0][j] = _mm512_dpbusd_epi32(acc2[0][j], chunk_q<SIX, BK>(qb + j * QB, c + 1), _mm512_loadu_si512(xb + c * 64 + 64));
+          acc[0][j] = _mm512_dpbusd_epi32(acc[0][j], _mm512_loadu_si512(qb + j * QB + c * 64), _mm512_loadu_si512(xb + c * 64));
+          acc2[0][j] = _mm512_dpbusd_epi32(acc2[0][j], _mm512_loadu_si512(qb + j * QB + c * 64 + 64), _mm512_loadu_si512(xb + c * 64 + 64));
         }
         continue;
       }
@@ -495,7 +422,7 @@ inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m
           w0[j] = _mm512_and_si512(v, lo4);
           w1[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), lo4);
         } else {
-          w0[j] = chunk_q<SIX, BK>(qb + j * QB, c);
+          w0[j] = _mm512_loadu_si512(qb + j * QB + c * 64);
         }
       }
       for (int i = 0; i < MR; ++i) {
@@ -513,16 +440,14 @@ inline void block_vnni(const TileArgs& t, int64_t m0, int64_t j0, int64_t b, __m
     if constexpr (INL) {  // one pass: each weight row's scales made once, for its MR rows
       for (int j = 0; j < NRS; ++j) {
         __m512 sv;
-        if (h == 0) lane_scales_zmm<KIND>(BK, t.bl->k0[b], t.st + (j0 + j) * t.rsb, sv, keep[j]);
-        else sv = keep[j];  // Q6_K's second half: its scales came with the first's
+        lane_scales_zmm<KIND>(BK, t.bl->k0[b], t.st + (j0 + j) * t.rsb, sv, keep[j]);
         for (int i = 0; i < MR; ++i) epilogue<SHIFT>(a, (m0 + i) * a.nb + b, acc[i][j], sv, keep[j], facc[i][j]);
       }
     } else {
       for (int i = 0; i < MR; ++i)
         for (int j = 0; j < NRS; ++j) {
           const int64_t sj = (b * NR + j0 + j) * LANES;
-          const float* scale = (HALVES == 2 && h == 1) ? t.mv : t.sv;
-          epilogue<SHIFT>(a, (m0 + i) * a.nb + b, acc[i][j], _mm512_loadu_ps(scale + sj), _mm512_loadu_ps(t.mv + sj), facc[i][j]);
+          epilogue<SHIFT>(a, (m0 + i) * a.nb + b, acc[i][j], _mm512_loadu_ps(t.sv + sj), _mm512_loadu_ps(t.mv + sj), facc[i][j]);
         }
     }
   }
@@ -540,7 +465,7 @@ static void rows_vnni(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
   int64_t b = 0;
   for (; b < bl.n512; ++b) block_vnni<MR, NRS, KIND, 512, INL>(t, m0, j0, b, facc);
   if (bl.tail256) block_vnni<MR, NRS, KIND, 256, INL>(t, m0, j0, b++, facc);
-  if constexpr (!(KIND == kQ4_K || KIND == kQ5_K || KIND == kQ6_K))
+  if constexpr (KIND != kQ5_K)
     if (bl.tail128) block_vnni<MR, NRS, KIND, 128, INL>(t, m0, j0, b++, facc);
   static_assert(NRS == 4 || NRS == 2, "tiles of 4 or 2 weight rows");
   for (int i = 0; i < MR; ++i)
@@ -553,7 +478,7 @@ static void rows_vnni(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
 // One block of BK for MR activation rows x the tile's NR weight rows with AVX2 (no VNNI): the 16 lanes as two
 // halves of 8 (bytes 0-31 and 32-63 of each chunk). The lane sums are the same exact integers as dpbusd's:
 // maddubs (unsigned q x signed x, pairs summed in int16) added in int16 over G chunks, few enough that no sum
-// can leave int16 (|pair| <= 2 * max q * 127: 8 chunks of 4-bit, 4 of 5-bit, 2 of 6-bit), then widened by
+// can leave int16 (|pair| <= 2 * max q * 127: 8 chunks of 4-bit, 4 of 5-bit), then widened by
 // madd. Q8_0's q + 128 would overflow: it runs as signed q (q ^ 0x80) times x with maddubs' sign trick
 // (|q| x sign(x, q), |pair| <= 2 * 128 * 127), the same sum as VNNI's (q + 128) x - 128 sum x. Integer sums
 // are exact in any order; the float operations per lane are those of block_vnni, in the same order.
@@ -563,30 +488,26 @@ static void rows_vnni(const TileArgs& t, int64_t m0, int64_t j0, float* out) {
 template <int MR, int KIND, int BK>
 __attribute__((target("avx2,fma,f16c"), always_inline))
 inline void block_avx2(const TileArgs& t, int64_t m0, int64_t b, __m256 (&facc)[MR][NR][2]) {
-  constexpr bool NIB = kFormats[KIND].nibbles, SIX = kFormats[KIND].bits6;
+  constexpr bool NIB = kFormats[KIND].nibbles;
   constexpr int SHIFT = kFormats[KIND].shift;
   constexpr int64_t CH = BK / 64, QB = q_bytes(KIND, BK);
-  constexpr int HALVES = (KIND == kQ6_K && BK == 512) ? 2 : 1;  // epilogues per block
-  constexpr int64_t CPH = CH / HALVES;                          // chunks per epilogue
-  constexpr int64_t G16 = KIND == kQ8_0 ? 1 : (NIB ? 8 : (KIND == kQ6_K ? 2 : 4));
-  constexpr int64_t G = G16 < CPH ? G16 : CPH;                  // chunks summed in int16
+  constexpr int64_t G16 = KIND == kQ8_0 ? 1 : (NIB ? 8 : 4);
+  constexpr int64_t G = G16 < CH ? G16 : CH;                    // chunks summed in int16
   const Acts& a = *t.a;
   const int64_t k0 = t.bl->k0[b];
   const uint8_t* qb = t.q + t.qo[b];
   if (t.pf)
     for (int64_t p = 0; p < NR * QB; p += 64) _mm_prefetch(reinterpret_cast<const char*>(t.pf + t.qo[b] + p), _MM_HINT_T1);
   const __m256i lo4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1), sign = _mm256_set1_epi8(-128);
-  const __m256i top2 = _mm256_set1_epi8(0x30);
   const int8_t* xb = a.q.data() + m0 * a.K + k0;
   for (int64_t j = 0; j < NR; ++j) {
     alignas(32) float sv[LANES], mv[LANES];
     lane_scales_avx2<KIND>(BK, k0, t.st + j * t.rsb, sv, mv);
     const uint8_t* qj = qb + j * QB;
-    for (int hf = 0; hf < 2; ++hf)
-      for (int h = 0; h < HALVES; ++h) {
+    for (int hf = 0; hf < 2; ++hf) {
         __m256i acc[MR];
 #pragma GCC unroll 8
-        for (int64_t c0 = h * CPH; c0 < (h + 1) * CPH; c0 += G) {
+        for (int64_t c0 = 0; c0 < CH; c0 += G) {
           __m256i p[MR];
 #pragma GCC unroll 8
           for (int64_t c = c0; c < c0 + G; c += (NIB ? 2 : 1)) {
@@ -595,12 +516,6 @@ inline void block_avx2(const TileArgs& t, int64_t m0, int64_t b, __m256 (&facc)[
               const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + c * 32 + 32 * hf));
               w0 = _mm256_and_si256(v, lo4);
               w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), lo4);
-            } else if constexpr (SIX) {  // as chunk_q, on bytes 32 hf .. 32 hf + 31 of the chunk
-              const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + (c / 2) * 64 + 32 * hf));
-              const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + BK / 2 + (c / 4) * 64 + 32 * hf));
-              const __m256i hi = c % 4 == 0 ? _mm256_slli_epi16(hb, 4) : c % 4 == 1 ? _mm256_slli_epi16(hb, 2)
-                                 : c % 4 == 2 ? hb : _mm256_srli_epi16(hb, 2);
-              w0 = _mm256_or_si256(_mm256_and_si256(c % 2 ? _mm256_srli_epi16(nib, 4) : nib, lo4), _mm256_and_si256(hi, top2));
             } else {
               w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qj + c * 64 + 32 * hf));
               if constexpr (KIND == kQ8_0) {
@@ -622,14 +537,14 @@ inline void block_avx2(const TileArgs& t, int64_t m0, int64_t b, __m256 (&facc)[
           }
           for (int i = 0; i < MR; ++i) {
             const __m256i s = _mm256_madd_epi16(p[i], ones);
-            acc[i] = c0 == h * CPH ? s : _mm256_add_epi32(acc[i], s);
+            acc[i] = c0 == 0 ? s : _mm256_add_epi32(acc[i], s);
           }
         }
-        const __m256 scale = _mm256_load_ps((h == 1 ? mv : sv) + 8 * hf);
+        const __m256 scale = _mm256_load_ps(sv + 8 * hf);
         for (int i = 0; i < MR; ++i) {
           const int64_t r = (m0 + i) * a.nb + b;
           if constexpr (SHIFT >= 0 && KIND != kQ8_0) {  // symmetric: minus c * (the lane's activation sum)
-            const int32_t* ls = a.ls.data() + r * 3 * LANES + (HALVES == 2 ? (1 + h) * LANES : 0) + 8 * hf;
+            const int32_t* ls = a.ls.data() + r * LANES + 8 * hf;
             acc[i] = _mm256_sub_epi32(acc[i], _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ls)), SHIFT));
           }
           __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(acc[i]), scale);
@@ -651,7 +566,7 @@ static void rows_avx2(const TileArgs& t, int64_t m0, int64_t, float* out) {
   int64_t b = 0;
   for (; b < bl.n512; ++b) block_avx2<MR, KIND, 512>(t, m0, b, facc);
   if (bl.tail256) block_avx2<MR, KIND, 256>(t, m0, b++, facc);
-  if constexpr (!(KIND == kQ4_K || KIND == kQ5_K || KIND == kQ6_K))
+  if constexpr (KIND != kQ5_K)
     if (bl.tail128) block_avx2<MR, KIND, 128>(t, m0, b++, facc);
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {  // reduce16's order: lanes l + (l + 8), then + 4, then (0 + 2) + (1 + 3)
@@ -672,22 +587,18 @@ static void rows_portable(int64_t kind, const TileArgs& t, int64_t m0, int64_t m
       float facc[LANES] = {};
       for (int64_t b = 0; b < bl.count; ++b) {
         const int64_t B = bl.size[b], QB = q_bytes(kind, B), r = (m0 + i) * a.nb + b;
-        const int halves = (kind == kQ6_K && B == 512) ? 2 : 1;
-        const int64_t cph = B / 64 / halves;
         const uint8_t* qr = t.q + t.qo[b] + j * QB;
         const int8_t* xr = a.q.data() + (m0 + i) * a.K + bl.k0[b];
-        for (int h = 0; h < halves; ++h) {
-          const float* scale = h == 1 ? t.mv : t.sv;
+        {
+          const float* scale = t.sv;
           for (int64_t l = 0; l < LANES; ++l) {
-            const int32_t ls = a.ls[r * 3 * LANES + (halves == 2 ? (1 + h) * LANES : 0) + l];
+            const int32_t ls = a.ls[r * LANES + l];
             int32_t acc = f.shift >= 0 ? -(ls * (1 << f.shift)) : 0;
-            for (int64_t c = h * cph; c < (h + 1) * cph; ++c)
+            for (int64_t c = 0; c < B / 64; ++c)
               for (int64_t e = 0; e < 4; ++e) {
                 const int64_t byte = c * 64 + l * 4 + e;  // chunk c, lane l
                 const int32_t lo = (qr[(c / 2) * 64 + l * 4 + e] >> (4 * (c % 2))) & 0x0f;
-                const int32_t w = f.nibbles ? lo
-                                  : f.bits6 ? lo | (((qr[B / 2 + (c / 4) * 64 + l * 4 + e] >> (2 * (c % 4))) & 3) << 4)
-                                            : qr[byte];
+                const int32_t w = f.nibbles ? lo : qr[byte];
                 acc += w * static_cast<int32_t>(xr[byte]);
               }
             const int64_t sj = (b * NR + j) * LANES + l;
@@ -710,9 +621,7 @@ RowsFn rows_for(int64_t kind) {
     case kQ8_0: return rows_vnni<MR, NRS, kQ8_0, INL>;
     case kQ4_0: return rows_vnni<MR, NRS, kQ4_0, INL>;
     case kQ5_0: return rows_vnni<MR, NRS, kQ5_0, INL>;
-    case kQ4_K: return rows_vnni<MR, NRS, kQ4_K, INL>;
-    case kQ5_K: return rows_vnni<MR, NRS, kQ5_K, INL>;
-    default: return rows_vnni<MR, NRS, kQ6_K, INL>;
+    default: return rows_vnni<MR, NRS, kQ5_K, INL>;  // Q4_K and Q6_K: linear_kquant.cpp
   }
 }
 
@@ -723,9 +632,7 @@ RowsFn rows_avx2_kind(int64_t kind) {
     case kQ8_0: return rows_avx2<MR, kQ8_0>;
     case kQ4_0: return rows_avx2<MR, kQ4_0>;
     case kQ5_0: return rows_avx2<MR, kQ5_0>;
-    case kQ4_K: return rows_avx2<MR, kQ4_K>;
-    case kQ5_K: return rows_avx2<MR, kQ5_K>;
-    default: return rows_avx2<MR, kQ6_K>;
+    default: return rows_avx2<MR, kQ5_K>;  // Q4_K and Q6_K: linear_kquant.cpp
   }
 }
 
@@ -833,8 +740,7 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& q, const 
         const uint8_t* qt = sg.q + t * sg.tile_q;
         const uint8_t* st = sg.s + t * sg.tile_s;
         // With VNNI and at most 5 rows, one pass over the tile: its rows function makes each block's lane scales
-        // as it uses them instead of this loop storing them all for several passes to read back (Q6_K once its
-        // two halves shared the scales). For M = 6..16, two or more passes making them each time gained nothing.
+        // as it uses them instead of this loop storing them all for several passes to read back. For M = 6..16, two or more passes making them each time gained nothing.
         // The AVX2 rows functions always make their lane scales as they use them: the pass that stored them all
         // here took a measurable share of a one-token forward. Measured: docs/BENCHMARKS.md, "Kernel design choices"
         // and "What did not help".

@@ -75,5 +75,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &verispec::isa_name, "the instruction sets the kernels use now");
   m.def("gguf_layout", []() { return verispec::kGgufLayout; }, "the GGUF block layout linear_gguf expects");
   m.def("cpu_isas", &verispec::cpu_isas, "the kernel paths this CPU can run, fastest first");
+  m.def("int8_peak_macs", &verispec::int8_peak_macs, "one core's measured int8 multiply-accumulates a second on the "
+        "instruction the kernels use now (vpdpbusd or vpmaddubsw; 0 on the portable path)", py::arg("iters") = 20000000);
   m.def("set_isa", &verispec::set_isa, "'avx2' or 'portable' forces those paths (tests); 'auto' undoes it");
 }
