@@ -3,6 +3,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace verispec {
@@ -17,6 +19,24 @@ void set_isa(const std::string& name);   // "auto" | "avx2" | "portable" (tests 
 std::string isa_name();
 std::vector<std::string> cpu_isas();
 double int8_peak_macs(int64_t iters);  // peak.cpp: one core's multiply-accumulates a second (0: portable)
+
+// An fp16 field stored at p (GGUF scales) as float
+inline float half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+}
+
+// 16 values of x from p (count 8 or 16) as floats
+template <typename T>
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 load16(const T* p, __mmask16 k) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_maskz_loadu_ps(k, p);
+  } else {
+    const __m256i h = _mm256_maskz_loadu_epi16(k, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
 
 // Activations of the quantized kernels (activations.cpp): x [..., K] -> int8 rows [M, Kp] (round to nearest,
 // max |x| -> 127, zero padding), one scale per row; checks dtype, K against Kp and M <= kMaxRows.

@@ -89,12 +89,6 @@ struct Blocks {
   }
 };
 
-inline float half(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
-
 // The activations of one call: rows cut into blocks, each quantized with its own scale, in lane order.
 struct Acts {
   int64_t M = 0, K = 0, nb = 0;
@@ -137,17 +131,6 @@ __attribute__((target_clones("avx512f", "avx2", "default")))
 void quantize_f32(const float* x, const Blocks& bl, Acts& a) { quantize_all(x, bl, a); }
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void quantize_bf16(const at::BFloat16* x, const Blocks& bl, Acts& a) { quantize_all(x, bl, a); }
-
-// 16 values of x from p (count 8 or 16) as floats
-template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 load16(const T* p, __mmask16 k) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_maskz_loadu_ps(k, p);
-  } else {
-    const __m256i h = _mm256_maskz_loadu_epi16(k, p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-}
 
 // quantize_block with AVX512: the same float operations on each value (max is exact in any order; the
 // rounding is round-to-nearest-even as nearbyint's), so the same bytes, scales and sums

@@ -46,12 +46,6 @@ constexpr int64_t MG = 8;    // activation rows per pass over a tile
 // or the super-block's lines in one burst were slower (docs/BENCHMARKS.md, "Kernel design choices").
 constexpr int64_t PF_DIST = 4096;
 
-inline float half_bits(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-}
-
 // One tile group's work: NB consecutive tiles (tile_q / tile_s bytes apart), rows m0 .. of the activations.
 struct Work {
   const KActs* a;
@@ -376,13 +370,13 @@ void kquant_portable(bool q6, const Work& w, int64_t m0, int64_t mr) {
             }
             S2 += ss[192 + 32 * (g / 2) + 2 * n + g % 2] * a.xs32[(m0 + i) * (a.K / 32) + sb * 8 + g];
           }
-          float u = half_bits(ss + 2 * n) * static_cast<float>(S1);
-          u = std::fma(-half_bits(ss + 32 + 2 * n), static_cast<float>(S2), u);
+          float u = half(ss + 2 * n) * static_cast<float>(S1);
+          u = std::fma(-half(ss + 32 + 2 * n), static_cast<float>(S2), u);
           y = std::fma(u, sx, y);
         } else {
           const uint8_t* qs = w.q + sb * 3072;
           const uint8_t* ss = w.s + sb * 288;
-          const float d = half_bits(ss + 2 * n);
+          const float d = half(ss + 2 * n);
           float f = 0.0f;
           for (int64_t g = 0; g < 16; ++g) {
             int32_t acc = a.xs16[(m0 + i) * (a.K / 16) + sb * 16 + g];
@@ -395,17 +389,6 @@ void kquant_portable(bool q6, const Work& w, int64_t m0, int64_t mr) {
       }
       w.y[i * w.ys + n] = y;
     }
-}
-
-// 16 values of x from p as floats
-template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
 }
 
 // The activations in natural order: the same rounding as linear_gguf.cpp's (blocks of 512, then 256; max |x| -> 127,
@@ -445,7 +428,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_natural_avx51
       const int64_t B = K - k0 >= 512 ? 512 : 256;
       const T* xb = x + m * K + k0;
       __m512 mx = _mm512_setzero_ps();
-      for (int64_t k = 0; k < B; k += 16) mx = _mm512_max_ps(_mm512_abs_ps(load16(xb + k)), mx);
+      for (int64_t k = 0; k < B; k += 16) mx = _mm512_max_ps(_mm512_abs_ps(load16(xb + k, 0xffff)), mx);
       const float amax = _mm512_reduce_max_ps(mx);
       const float s = amax > 0.0f ? amax / 127.0f : 1.0f, inv = 1.0f / s;
       const __m512 vinv = _mm512_set1_ps(inv);
@@ -455,7 +438,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_natural_avx51
       for (int64_t k = 0; k < B; k += 32) {
         __m512i v[2];
         for (int h = 0; h < 2; ++h) {
-          const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16(xb + k + 16 * h), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(load16(xb + k + 16 * h, 0xffff), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
           v[h] = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
           _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k + 16 * h), _mm512_cvtepi32_epi8(v[h]));
         }
